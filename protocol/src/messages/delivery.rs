@@ -1,0 +1,214 @@
+//! What a worker delivers: the signed `DeliveryManifest` and the `ComputeResult` whose
+//! commitment goes to the chain.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Runtime, wire};
+use crate::identity::BadSignature;
+use crate::signed::signing_input;
+use crate::{
+    Address, Digest, Fixed, Invalid, Keypair, Message, SignatureBytes, Timestamp, Uuid, codec,
+};
+
+/// The signed record of a delivery: what was produced, from what, on what, at what cost.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct DeliveryManifest {
+    /// The job.
+    pub job_id: Uuid,
+    /// Index of the task.
+    pub task: u32,
+    /// Rank that produced it.
+    pub rank: u32,
+    /// Lease epoch it was produced under; a stale epoch is refused.
+    pub epoch: u64,
+    /// The worker; must be the signer.
+    pub worker: Address,
+    /// Digests of every declared output.
+    pub outputs: Vec<OutputDigest>,
+    /// Configuration the workload ran with.
+    pub configuration: Vec<Setting>,
+    /// Datasets used, by digest.
+    pub datasets: Vec<NamedDigest>,
+    /// Models used, by digest.
+    pub models: Vec<NamedDigest>,
+    /// Dependency versions.
+    pub dependencies: Vec<Runtime>,
+    /// Hardware it ran on, as the worker's probe describes it.
+    pub hardware: String,
+    /// Resources used.
+    pub usage: ResourceUsage,
+    /// The worker-side evaluation report, if the workload produced one.
+    pub evaluation: Option<EvaluationReport>,
+    /// When delivered.
+    pub issued_at: Timestamp,
+}
+
+/// Digest of one declared output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct OutputDigest {
+    /// Declared output name.
+    pub name: String,
+    /// SHA-256 of the plaintext.
+    pub digest: Digest,
+    /// Size in bytes.
+    pub size_bytes: u64,
+}
+
+/// A configuration key and value.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct Setting {
+    /// Key.
+    pub key: String,
+    /// Value.
+    pub value: String,
+}
+
+/// A named digest (dataset, model).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct NamedDigest {
+    /// Name.
+    pub name: String,
+    /// SHA-256 of the content.
+    pub digest: Digest,
+}
+
+/// Resources a run used.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct ResourceUsage {
+    /// Wall time in milliseconds.
+    pub wall_ms: u64,
+    /// CPU time in milliseconds.
+    pub cpu_ms: u64,
+    /// Peak memory in bytes.
+    pub peak_memory_bytes: u64,
+    /// GPU busy time in milliseconds.
+    pub gpu_ms: u64,
+    /// Bytes written to outputs.
+    pub output_bytes: u64,
+}
+
+/// Metrics measured on the outputs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct EvaluationReport {
+    /// Metric values.
+    pub metrics: Vec<MetricValue>,
+    /// Free-form notes.
+    pub notes: String,
+}
+
+/// One measured metric.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct MetricValue {
+    /// Metric name.
+    pub name: String,
+    /// Value, fixed-point with six decimals.
+    pub value: Fixed,
+}
+
+wire!(DeliveryManifest, "delivery manifest", 64 * 1024);
+
+impl Message for DeliveryManifest {
+    const DOMAIN: &'static str = "cannabis/delivery-manifest/v1";
+    fn claimed_signer(&self) -> Option<&Address> {
+        Some(&self.worker)
+    }
+}
+
+/// A worker's proof-of-compute result, in exactly the seed layout. It carries its own
+/// signature (the `signature` field) rather than an envelope, because it is embedded as the
+/// payload of a `SUBMIT_RESULT` transaction.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct ComputeResult {
+    /// The task, as a UUID string.
+    pub task_id: Uuid,
+    /// The worker's `cpc1...` address; must equal the transaction's sender.
+    pub worker_address: Address,
+    /// SHA-256 of the result, as `0x` + 64 lowercase hex digits.
+    #[serde(with = "crate::bytes::hex0x::digest")]
+    pub result_hash: Digest,
+    /// Proof of correctness (reserved for zero-knowledge proofs), if any.
+    pub proof: Option<String>,
+    /// Nonce, for synthetic tasks.
+    pub nonce: Option<u64>,
+    /// The worker's ed25519 signature, as `0x` + 128 lowercase hex digits.
+    #[serde(with = "crate::bytes::hex0x::opt_signature")]
+    pub signature: Option<SignatureBytes>,
+}
+
+/// Why a compute result is not acceptable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ComputeResultError {
+    /// The signature field is empty.
+    #[error("compute result is not signed")]
+    Unsigned,
+    /// The signature does not verify for `worker_address`.
+    #[error(transparent)]
+    BadSignature(#[from] BadSignature),
+}
+
+/// Domain of the compute result's own signature.
+pub const COMPUTE_RESULT_DOMAIN: &str = "cannabis/compute-result/v1";
+
+wire!(ComputeResult, "compute result", 4 * 1024);
+
+impl ComputeResult {
+    /// A result signed by `keys`, whose address becomes `worker_address`.
+    pub fn signed(
+        keys: &Keypair,
+        task_id: Uuid,
+        result_hash: Digest,
+        proof: Option<String>,
+        nonce: Option<u64>,
+    ) -> Self {
+        let mut r = ComputeResult {
+            task_id,
+            worker_address: keys.address(),
+            result_hash,
+            proof,
+            nonce,
+            signature: None,
+        };
+        r.signature = Some(keys.sign_raw(&r.signing_bytes()));
+        r
+    }
+
+    /// The bytes the signature covers: the domain, then the canonical encoding of this
+    /// result with `signature` empty.
+    pub fn signing_bytes(&self) -> Vec<u8> {
+        let unsigned = ComputeResult {
+            signature: None,
+            ..self.clone()
+        };
+        signing_input(COMPUTE_RESULT_DOMAIN, &codec::encode(&unsigned))
+    }
+
+    /// Checks the signature against `worker_address`.
+    pub fn verify(&self) -> Result<(), ComputeResultError> {
+        let sig = self
+            .signature
+            .as_ref()
+            .ok_or(ComputeResultError::Unsigned)?;
+        self.worker_address.verify(&self.signing_bytes(), sig)?;
+        Ok(())
+    }
+
+    /// The result's id: SHA-256 of its canonical encoding, signature included. This is the
+    /// leaf data of the block's `compute_root`.
+    pub fn id(&self) -> Digest {
+        Digest::of(&codec::encode(self))
+    }
+}
+
+impl From<ComputeResultError> for Invalid {
+    fn from(e: ComputeResultError) -> Self {
+        Invalid::new("payload.signature", e.to_string())
+    }
+}
