@@ -1,1 +1,24 @@
-fn main() {}
+//! `cannabis`: the one binary of the peer-to-peer compute market.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+mod cli;
+mod cmd;
+mod keystore;
+mod output;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cmd::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if output::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the whole cause chain: "loading key: reading /x: not found".
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -189,6 +189,7 @@ impl Quote {
 /// How a job (or one task of it) ended, for settlement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
 pub enum Outcome {
     /// The requester accepted the delivery: the agreed price is paid.
     Accepted,

@@ -1,1 +1,3 @@
-//! CLI tests.
+//! Tests of the `cannabis` binary, run as a user runs it.
+
+mod cli;

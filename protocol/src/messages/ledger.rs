@@ -189,25 +189,48 @@ impl Transaction {
         }
     }
 
+    /// A transaction whose gas limit is its type's and whose fee is `gas_limit * gas_price`.
+    pub fn new(
+        from_address: Address,
+        to_address: Option<Address>,
+        amount: Amount,
+        nonce: u64,
+        gas_price: u64,
+        payload: TxPayload,
+    ) -> Result<Self, TxError> {
+        let mut tx = Transaction {
+            from_address,
+            to_address,
+            amount,
+            fee: Amount::ZERO,
+            nonce,
+            gas_price,
+            gas_limit: 0,
+            payload,
+        };
+        tx.gas_limit = tx.tx_type().gas_limit();
+        tx.fee = Amount(
+            tx.gas_limit
+                .checked_mul(gas_price)
+                .ok_or(TxError::FeeOverflow)?,
+        );
+        Ok(tx)
+    }
+
     /// A `SUBMIT_RESULT` transaction for `result`, from its worker.
     pub fn submit_result(
         result: ComputeResult,
         nonce: u64,
         gas_price: u64,
     ) -> Result<Self, TxError> {
-        let fee = SUBMIT_RESULT_GAS_LIMIT
-            .checked_mul(gas_price)
-            .ok_or(TxError::FeeOverflow)?;
-        Ok(Transaction {
-            from_address: result.worker_address,
-            to_address: None,
-            amount: Amount::ZERO,
-            fee: Amount(fee),
+        Self::new(
+            result.worker_address,
+            None,
+            Amount::ZERO,
             nonce,
             gas_price,
-            gas_limit: SUBMIT_RESULT_GAS_LIMIT,
-            payload: TxPayload::SubmitResult(result),
-        })
+            TxPayload::SubmitResult(result),
+        )
     }
 }
 

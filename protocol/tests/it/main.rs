@@ -2,5 +2,6 @@
 //! known-answer vectors that pin the wire format, and bad input.
 
 mod bad_input;
+mod docs;
 mod known_answers;
 mod properties;

@@ -1,0 +1,43 @@
+//! Subcommand implementations.
+
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+
+use crate::cli::{Cli, Command};
+
+mod demo;
+mod job;
+mod keys;
+
+pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
+    let data_dir = || data_dir(cli.data_dir.clone());
+    match cli.command {
+        Command::Keys(c) => keys::run(c, &data_dir()?),
+        Command::Job(c) => job::run(c),
+        Command::Demo(args) => demo::run(&args),
+    }
+}
+
+/// `--data-dir`, else `$XDG_DATA_HOME/cannabis`, else `~/.local/share/cannabis`.
+fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(dir) = flag {
+        return Ok(dir);
+    }
+    if let Some(xdg) = std::env::var_os("XDG_DATA_HOME").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(xdg).join("cannabis"));
+    }
+    let home = std::env::var_os("HOME")
+        .filter(|v| !v.is_empty())
+        .context("no --data-dir given and HOME is not set")?;
+    Ok(PathBuf::from(home).join(".local/share/cannabis"))
+}
+
+/// Milliseconds since the Unix epoch, from the system clock.
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

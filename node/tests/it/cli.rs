@@ -1,0 +1,211 @@
+//! The CLI end to end: keys, quotes, the demo, errors and help.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .env_remove("CANNABIS_DATA_DIR")
+        .output()
+        .expect("the cannabis binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+#[test]
+fn keys_new_show_and_address_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let made = cannabis(dir.path(), &["keys", "new", "--json"]);
+    assert!(made.status.success(), "{}", stderr(&made));
+    let made: serde_json::Value = serde_json::from_slice(&made.stdout).unwrap();
+    let address = made["address"].as_str().unwrap().to_string();
+    assert!(address.starts_with("cpc1"), "{address}");
+    assert!(
+        made["delivery_recipient"]
+            .as_str()
+            .unwrap()
+            .starts_with("age1")
+    );
+
+    let keys = dir.path().join("keys");
+    assert_eq!(mode(&keys), 0o700);
+    assert_eq!(mode(&keys.join("node.key")), 0o600);
+    assert_eq!(mode(&keys.join("delivery.age")), 0o600);
+    assert_eq!(std::fs::metadata(keys.join("node.key")).unwrap().len(), 32);
+    let age = std::fs::read_to_string(keys.join("delivery.age")).unwrap();
+    assert!(
+        age.lines().any(|l| l.starts_with("AGE-SECRET-KEY-1")),
+        "{age}"
+    );
+
+    let shown = cannabis(dir.path(), &["keys", "show", "--json"]);
+    assert!(shown.status.success(), "{}", stderr(&shown));
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown, made);
+
+    let addr = cannabis(dir.path(), &["keys", "address"]);
+    assert_eq!(stdout(&addr).trim(), address);
+
+    let table = cannabis(dir.path(), &["keys", "show"]);
+    assert!(stdout(&table).contains(&address));
+}
+
+#[test]
+fn existing_keys_are_never_silently_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(cannabis(dir.path(), &["keys", "new"]).status.success());
+    let first = stdout(&cannabis(dir.path(), &["keys", "address"]));
+
+    let again = cannabis(dir.path(), &["keys", "new"]);
+    assert!(!again.status.success());
+    assert!(stderr(&again).contains("--force"), "{}", stderr(&again));
+    assert_eq!(stdout(&cannabis(dir.path(), &["keys", "address"])), first);
+
+    let forced = cannabis(dir.path(), &["keys", "new", "--force"]);
+    assert!(forced.status.success(), "{}", stderr(&forced));
+    assert_ne!(stdout(&cannabis(dir.path(), &["keys", "address"])), first);
+    // The old key is kept aside, not deleted.
+    let kept: Vec<_> = std::fs::read_dir(dir.path().join("keys"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("node.key.replaced-"))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+}
+
+#[test]
+fn a_key_others_can_read_is_refused_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(cannabis(dir.path(), &["keys", "new"]).status.success());
+    let key = dir.path().join("keys/node.key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let o = cannabis(dir.path(), &["keys", "show"]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("0644") && err.contains("chmod 600"), "{err}");
+}
+
+#[test]
+fn a_key_of_the_wrong_length_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(cannabis(dir.path(), &["keys", "new"]).status.success());
+    let key = dir.path().join("keys/node.key");
+    std::fs::write(&key, [7u8; 31]).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let o = cannabis(dir.path(), &["keys", "address"]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("exactly 32 bytes, found 31"), "{err}");
+    assert!(err.contains("node.key"), "{err}");
+}
+
+#[test]
+fn missing_keys_say_how_to_create_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(dir.path(), &["keys", "show"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannabis keys new"), "{}", stderr(&o));
+}
+
+#[test]
+fn job_quote_shows_budget_share_and_fee() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(dir.path(), &["job", "quote", "1_000_001", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let q: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(q["total"], 1_000_001);
+    assert_eq!(q["worker_share"], 990_001);
+    assert_eq!(q["fee"], 10_000);
+    assert_eq!(q["fee_rate_bps"], 100);
+
+    let table = stdout(&cannabis(dir.path(), &["job", "quote", "100"]));
+    assert!(
+        table.contains("total budget") && table.contains("1.00%"),
+        "{table}"
+    );
+
+    // A leading '-' is taken for a flag by the parser; it fails all the same.
+    assert!(
+        !cannabis(dir.path(), &["job", "quote", "-3"])
+            .status
+            .success()
+    );
+    for bad in ["12.5", "lots", "18446744073709551616", "1e6"] {
+        let o = cannabis(dir.path(), &["job", "quote", bad]);
+        assert!(!o.status.success(), "{bad} accepted");
+        assert!(stderr(&o).contains("base units"), "{}", stderr(&o));
+    }
+    let o = cannabis(dir.path(), &["job", "quote", "100", "--fee-bps", "10001"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("10000 bps"), "{}", stderr(&o));
+}
+
+#[test]
+fn demo_walks_a_job_through_the_protocol() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(dir.path(), &["demo", "--size", "32", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = s["settlements"].as_array().unwrap();
+    assert_eq!(rows.len(), 7);
+    for r in rows {
+        let sum = r["worker_paid"].as_u64().unwrap()
+            + r["fee_paid"].as_u64().unwrap()
+            + r["refunded"].as_u64().unwrap();
+        assert_eq!(sum, r["locked"].as_u64().unwrap(), "{r}");
+    }
+    assert!(s["result_hash"].as_str().unwrap().starts_with("0x"));
+
+    let human = cannabis(dir.path(), &["demo", "--size", "16"]);
+    assert!(human.status.success(), "{}", stderr(&human));
+    assert!(stdout(&human).contains("Every path balances"));
+}
+
+#[test]
+fn version_and_help_on_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = cannabis(dir.path(), &["--version"]);
+    assert_eq!(
+        stdout(&v).trim(),
+        format!("cannabis {}", env!("CARGO_PKG_VERSION"))
+    );
+    for cmd in [
+        vec![],
+        vec!["keys"],
+        vec!["keys", "new"],
+        vec!["keys", "show"],
+        vec!["keys", "address"],
+        vec!["job"],
+        vec!["job", "quote"],
+        vec!["demo"],
+    ] {
+        let mut args = cmd.clone();
+        args.push("--help");
+        let o = cannabis(dir.path(), &args);
+        assert!(o.status.success(), "{cmd:?}: {}", stderr(&o));
+        let text = stdout(&o);
+        assert!(text.contains("Usage: cannabis"), "{cmd:?}: {text}");
+    }
+}
+
+#[test]
+fn unknown_commands_fail_with_usage() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(dir.path(), &["frobnicate"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("Usage"), "{}", stderr(&o));
+}
