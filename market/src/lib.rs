@@ -1,11 +1,28 @@
-//! The market's state machines, sans-IO: matching offers against capability ads, quote
-//! scoring, placement (whole-job and gang), the lease lifecycle, task graphs, the escrow
-//! lifecycle and the embedded ledger's rules.
+//! The market's state machines, sans-IO.
 //!
-//! Like `cannabis-protocol` it does no I/O and reads no clock: inputs carry the current time,
-//! outputs are actions for the node to carry out. The message types and money rules it
-//! works on live in `cannabis-protocol`; the state machines arrive with the market issue
-//! (see `docs/architecture.md`).
+//! Like `cannabis-protocol` this crate does no I/O and reads no clock: every input carries
+//! the current time, and the caller carries out what comes back. That is what lets the
+//! testnet drive many simulated nodes deterministically.
+//!
+//! - [`View`]: the live market a node sees, fed with gossip. It decides for each message
+//!   whether to accept (and forward), ignore, or reject (and penalize the sender): size cap,
+//!   signature, author, source, expiry, replay and staleness.
+//! - [`api`]: the data the node's local API serves about it.
+//!
+//! ```
+//! use cannabis_market::{View, ViewConfig, Verdict};
+//! use cannabis_protocol::Timestamp;
+//!
+//! let mut view = View::new(ViewConfig::default());
+//! // Garbage from the network is rejected, so the sender's score drops.
+//! let verdict = view.on_ad(b"not a signed ad", None, Timestamp(1_000), 1_000_000);
+//! assert!(matches!(verdict, Verdict::Reject(_)));
+//! ```
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
-pub use cannabis_protocol as protocol;
+pub mod api;
+mod view;
+
+pub use view::{
+    AdEntry, Expired, IgnoreReason, OfferEntry, RejectReason, Verdict, View, ViewConfig,
+};

@@ -1,9 +1,12 @@
 //! The command line: one binary, a subcommand for each thing a user does.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use cannabis_node::logging::LogFormat;
 use cannabis_protocol::Amount;
 use clap::{Args, Parser, Subcommand};
+use libp2p::Multiaddr;
 
 /// A peer-to-peer compute market node: contribute idle GPUs and CPUs, publish budgeted
 /// jobs, run local testnets.
@@ -15,12 +18,25 @@ pub(crate) struct Cli {
     #[arg(long, global = true, env = "CANNABIS_DATA_DIR", value_name = "DIR")]
     pub(crate) data_dir: Option<PathBuf>,
 
+    /// Log format (logs go to stderr; RUST_LOG sets the level).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    pub(crate) log_format: LogFormat,
+
     #[command(subcommand)]
     pub(crate) command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
+    /// Run a node and talk to a running one.
+    #[command(subcommand)]
+    Node(NodeCommand),
+    /// What the running node sees of the market.
+    #[command(subcommand)]
+    Market(MarketCommand),
+    /// Local testnets of real node processes on loopback.
+    #[command(subcommand)]
+    Testnet(TestnetCommand),
     /// Create and inspect this node's identity keys.
     #[command(subcommand)]
     Keys(KeysCommand),
@@ -29,6 +45,113 @@ pub(crate) enum Command {
     Job(JobCommand),
     /// Walk one job through the whole protocol in-process and show every step.
     Demo(DemoArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum NodeCommand {
+    /// Join the network: run the swarm, the market view and the local API until Ctrl-C.
+    Run(RunArgs),
+    /// The running node's identity, addresses, peers and market counts.
+    Status {
+        #[command(flatten)]
+        format: Format,
+    },
+    /// The running node's connected peers, with their gossip scores.
+    Peers {
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Measure request-response round trips from the running node to a peer.
+    Ping {
+        /// The peer's id (see `cannabis node peers`).
+        peer: String,
+        /// Round trips to make.
+        #[arg(long, default_value_t = 10)]
+        count: u32,
+        #[command(flatten)]
+        format: Format,
+    },
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Configuration file (TOML); flags override it. Without one, defaults apply.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// Listen address (repeatable), e.g. /ip4/0.0.0.0/tcp/4001 or /ip4/0.0.0.0/udp/4001/quic-v1.
+    #[arg(long, value_name = "MULTIADDR")]
+    pub(crate) listen: Vec<Multiaddr>,
+    /// Peer to bootstrap from (repeatable), e.g. /ip4/203.0.113.5/tcp/4001/p2p/12D3Koo...
+    #[arg(long, value_name = "MULTIADDR")]
+    pub(crate) bootstrap: Vec<Multiaddr>,
+    /// Do not discover peers on the local network with mDNS.
+    #[arg(long)]
+    pub(crate) no_mdns: bool,
+    /// Act as a circuit relay for peers behind NAT.
+    #[arg(long)]
+    pub(crate) relay: bool,
+    /// Local API address (loopback only).
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) api: Option<SocketAddr>,
+    /// Settings for a local testnet: many nodes share 127.0.0.1 without lowering each
+    /// other's scores.
+    #[arg(long)]
+    pub(crate) testnet: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum MarketCommand {
+    /// Live capability ads.
+    Ads {
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Open job offers.
+    Offers {
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Bids received for this node's offers.
+    Bids {
+        #[command(flatten)]
+        format: Format,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum TestnetCommand {
+    /// Start N nodes on loopback, print where their APIs are, and stop them all on Ctrl-C.
+    Up {
+        /// Number of nodes.
+        #[arg(long, default_value_t = 5)]
+        nodes: usize,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
+    /// Stop the testnet running from a directory.
+    Down {
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
+    /// Measure offer propagation, the request-response baseline and idle memory.
+    Bench {
+        /// Number of nodes.
+        #[arg(long, default_value_t = 10)]
+        nodes: usize,
+        /// Offers to publish.
+        #[arg(long, default_value_t = 20)]
+        offers: usize,
+        /// Request-response round trips for the baseline.
+        #[arg(long, default_value_t = 200)]
+        pings: u32,
+        /// Directory of the testnet's data (emptied first).
+        #[arg(long, default_value = ".testnet-bench")]
+        dir: PathBuf,
+        #[command(flatten)]
+        format: Format,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -10,10 +10,16 @@ use crate::cli::{Cli, Command};
 mod demo;
 mod job;
 mod keys;
+mod market;
+mod node;
+mod testnet;
 
 pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
     let data_dir = || data_dir(cli.data_dir.clone());
     match cli.command {
+        Command::Node(c) => node::run(c, &data_dir()?, cli.log_format),
+        Command::Market(c) => market::run(c, &data_dir()?),
+        Command::Testnet(c) => testnet::run(c, cli.log_format),
         Command::Keys(c) => keys::run(c, &data_dir()?),
         Command::Job(c) => job::run(c),
         Command::Demo(args) => demo::run(&args),

@@ -21,20 +21,20 @@ const NODE_KEY: &str = "node.key";
 const DELIVERY_KEY: &str = "delivery.age";
 
 /// The node's identities, loaded from its data directory.
-pub(crate) struct NodeKeys {
-    pub(crate) signing: Keypair,
-    pub(crate) delivery: DeliveryIdentity,
+pub struct NodeKeys {
+    pub signing: Keypair,
+    pub delivery: DeliveryIdentity,
 }
 
 /// Where the key files live.
-pub(crate) struct KeyPaths {
-    pub(crate) dir: PathBuf,
-    pub(crate) node: PathBuf,
-    pub(crate) delivery: PathBuf,
+pub struct KeyPaths {
+    pub dir: PathBuf,
+    pub node: PathBuf,
+    pub delivery: PathBuf,
 }
 
 impl KeyPaths {
-    pub(crate) fn new(data_dir: &Path) -> Self {
+    pub fn new(data_dir: &Path) -> Self {
         let dir = data_dir.join("keys");
         Self {
             node: dir.join(NODE_KEY),
@@ -49,7 +49,7 @@ impl KeyPaths {
 }
 
 /// Fills `buf` from the operating system's random source.
-pub(crate) fn random_bytes<const N: usize>() -> anyhow::Result<Zeroizing<[u8; N]>> {
+pub fn random_bytes<const N: usize>() -> anyhow::Result<Zeroizing<[u8; N]>> {
     let mut buf = Zeroizing::new([0u8; N]);
     getrandom::getrandom(&mut buf[..]).context("reading the system random source")?;
     Ok(buf)
@@ -57,7 +57,7 @@ pub(crate) fn random_bytes<const N: usize>() -> anyhow::Result<Zeroizing<[u8; N]
 
 /// Creates fresh keys. Existing keys are kept unless `force`, and even then the old files
 /// are renamed aside, never deleted.
-pub(crate) fn create(paths: &KeyPaths, force: bool, now_unix: u64) -> anyhow::Result<NodeKeys> {
+pub fn create(paths: &KeyPaths, force: bool, now_unix: u64) -> anyhow::Result<NodeKeys> {
     if paths.exists() && !force {
         bail!(
             "keys already exist in {}; use `cannabis keys show` to see them, or \
@@ -94,7 +94,7 @@ pub(crate) fn create(paths: &KeyPaths, force: bool, now_unix: u64) -> anyhow::Re
 }
 
 /// Loads the keys, checking permissions and lengths.
-pub(crate) fn load(paths: &KeyPaths) -> anyhow::Result<NodeKeys> {
+pub fn load(paths: &KeyPaths) -> anyhow::Result<NodeKeys> {
     let node = read_private(&paths.node)?;
     let signing = Keypair::from_secret_slice(&node)
         .with_context(|| format!("loading {}", paths.node.display()))?;
@@ -111,7 +111,7 @@ pub(crate) fn load(paths: &KeyPaths) -> anyhow::Result<NodeKeys> {
     Ok(NodeKeys { signing, delivery })
 }
 
-fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+pub fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let tmp = path.with_extension("tmp");
     let _ = fs::remove_file(&tmp);
     let mut f = fs::OpenOptions::new()
@@ -132,7 +132,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn read_private(path: &Path) -> anyhow::Result<Zeroizing<Vec<u8>>> {
+pub fn read_private(path: &Path) -> anyhow::Result<Zeroizing<Vec<u8>>> {
     let meta = match fs::metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(

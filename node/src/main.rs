@@ -7,7 +7,6 @@ use clap::Parser;
 
 mod cli;
 mod cmd;
-mod keystore;
 mod output;
 
 fn main() -> ExitCode {

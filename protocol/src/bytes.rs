@@ -41,8 +41,13 @@ macro_rules! fixed_bytes {
         }
 
         impl serde::Serialize for $name {
+            /// A byte string in CBOR; lowercase hex in human-readable formats (JSON).
             fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_bytes(&self.0)
+                if s.is_human_readable() {
+                    s.collect_str(self)
+                } else {
+                    s.serialize_bytes(&self.0)
+                }
             }
         }
 
@@ -59,8 +64,15 @@ macro_rules! fixed_bytes {
                             .map($name)
                             .map_err(|_| E::invalid_length(v.len(), &self))
                     }
+                    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<$name, E> {
+                        $name::from_hex(v).map_err(E::custom)
+                    }
                 }
-                d.deserialize_bytes(V)
+                if d.is_human_readable() {
+                    d.deserialize_str(V)
+                } else {
+                    d.deserialize_bytes(V)
+                }
             }
         }
 

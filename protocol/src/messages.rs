@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 mod capability;
 mod delivery;
+mod directed;
 mod ledger;
 mod market;
 mod offer;
@@ -17,6 +18,7 @@ pub use delivery::{
     COMPUTE_RESULT_DOMAIN, ComputeResult, ComputeResultError, DeliveryManifest, EvaluationReport,
     MetricValue, NamedDigest, OutputDigest, ResourceUsage, Setting,
 };
+pub use directed::{MarketRequest, MarketResponse, SyncRequest, SyncResponse};
 pub use ledger::{
     Block, BlockError, BlockHeader, EscrowAssign, EscrowLock, EscrowSettle, ResultCommit,
     SUBMIT_RESULT_GAS_LIMIT, Transaction, TxError, TxPayload, TxType, compute_leaves,

@@ -1,7 +1,9 @@
 //! The local executor: hardware probe, the supervisor and its ceilings, the sandbox, the
 //! adapters (`process`, `synthetic`, `torchrun`), the durable attempt journal and bounded
-//! output reads. See `docs/architecture.md` for where it sits; it arrives with the executor
-//! and probe issues.
+//! output reads. See `docs/architecture.md` for where it sits.
+//!
+//! Today it holds the host part of the probe: what the operating system says about CPU,
+//! memory, swap, storage and itself.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
-pub use cannabis_protocol as protocol;
+pub mod probe;

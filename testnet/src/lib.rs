@@ -1,6 +1,12 @@
-//! Local testnets: a deterministic in-process simulator of many sans-IO nodes and a launcher
-//! of real `cannabis` processes on loopback, with scenarios, faults on demand and
-//! benchmarks. It arrives with the swarm and market issues (see `docs/architecture.md`).
+//! Local testnets: a launcher of real `cannabis` node processes on loopback, a client of
+//! their local API, and benchmarks over them. (The deterministic simulator of many sans-IO
+//! market nodes joins it with the market.)
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
-pub use cannabis_protocol as protocol;
+pub mod bench;
+pub mod client;
+pub mod launcher;
+pub mod stats;
+
+pub use client::ApiClient;
+pub use launcher::{Testnet, TestnetOptions};

@@ -15,8 +15,8 @@ use cannabis_protocol::{
 use serde::Serialize;
 
 use crate::cli::DemoArgs;
-use crate::keystore::random_bytes;
 use crate::output::{self, out};
+use cannabis_node::keystore::random_bytes;
 
 #[derive(Serialize)]
 struct Summary {

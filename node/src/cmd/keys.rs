@@ -5,8 +5,8 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::cli::KeysCommand;
-use crate::keystore::{self, KeyPaths, NodeKeys};
 use crate::output::{self, out};
+use cannabis_node::keystore::{self, KeyPaths, NodeKeys};
 
 #[derive(Serialize)]
 struct KeyReport {

@@ -357,7 +357,7 @@ pub struct Block {
     pub txs: Vec<Signed<Transaction>>,
 }
 
-wire!(Block, "block", 4 * 1024 * 1024);
+wire!(Block, "block", 1024 * 1024);
 
 /// Why a block was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

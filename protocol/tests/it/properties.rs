@@ -98,6 +98,10 @@ wire_properties! {
     signed_bid: Signed<Bid>, 64;
     signed_offer: Signed<JobOffer>, 16;
     signed_tx: Signed<Transaction>, 32;
+    market_request: MarketRequest, 48;
+    market_response: MarketResponse, 64;
+    sync_request: SyncRequest, 64;
+    sync_response: SyncResponse, 8;
 }
 
 /// Any single-byte change to a signed envelope's wire bytes makes it fail: to decode, or to

@@ -1,0 +1,204 @@
+//! The data a node's local API serves, shared by the node (server), the CLI and the
+//! testnet tools (clients). JSON over HTTP on loopback; see `docs/operator-guide.md`.
+
+use cannabis_protocol::{AcceptanceMetric, AdapterKind, Address, Amount, TaskSpec, Uuid};
+use serde::{Deserialize, Serialize};
+
+use crate::{AdEntry, OfferEntry};
+
+/// `GET /v1/status`
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// The node's `cpc1...` address.
+    pub address: String,
+    /// Its libp2p peer id.
+    pub peer_id: String,
+    /// Addresses the swarm listens on.
+    pub listen_addrs: Vec<String>,
+    /// Connected peers.
+    pub connected_peers: usize,
+    /// Peers in the gossip mesh of each topic.
+    pub mesh_peers: Vec<TopicPeers>,
+    /// Live capability ads in the view.
+    pub ads: usize,
+    /// Open offers in the view.
+    pub offers: usize,
+    /// Seconds since the node started.
+    pub uptime_secs: u64,
+    /// The binary's version.
+    pub version: String,
+}
+
+/// Mesh size of one topic.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopicPeers {
+    /// Topic name.
+    pub topic: String,
+    /// Peers in the mesh.
+    pub peers: usize,
+}
+
+/// One connected peer, `GET /v1/peers`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Peer {
+    /// Its peer id.
+    pub peer_id: String,
+    /// Its `cpc1...` address, when its key is an ed25519 key.
+    pub address: Option<String>,
+    /// Remote addresses of its connections.
+    pub addrs: Vec<String>,
+    /// Its gossipsub peer score (negative after invalid messages).
+    pub score: f64,
+    /// Last ping round trip in microseconds, if measured.
+    pub ping_us: Option<u64>,
+}
+
+/// One capability ad, `GET /v1/market/ads`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ad {
+    /// The advertising node.
+    pub node: String,
+    /// Message id.
+    pub id: String,
+    /// Sequence number.
+    pub seq: u64,
+    /// Logical CPU cores.
+    pub cpu_cores: u32,
+    /// Memory in bytes.
+    pub memory_bytes: u64,
+    /// Number of GPUs (allowed ones).
+    pub gpus: usize,
+    /// Adapters offered.
+    pub adapters: Vec<AdapterKind>,
+    /// Expiry, ms since the epoch.
+    pub expires_at_ms: u64,
+    /// When this node received it, µs since the epoch.
+    pub received_at_us: u64,
+}
+
+impl From<&AdEntry> for Ad {
+    fn from(e: &AdEntry) -> Self {
+        Self {
+            node: e.ad.node.to_string(),
+            id: e.id.to_string(),
+            seq: e.ad.seq,
+            cpu_cores: e.ad.hardware.cpu_cores,
+            memory_bytes: e.ad.hardware.memory_bytes,
+            gpus: e.ad.hardware.gpus.iter().filter(|g| g.allowed).count(),
+            adapters: e.ad.adapters.clone(),
+            expires_at_ms: e.ad.expires_at.0,
+            received_at_us: e.received_at_us,
+        }
+    }
+}
+
+/// One open offer, `GET /v1/market/offers`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    /// Job id.
+    pub job_id: String,
+    /// Message id.
+    pub id: String,
+    /// The requester.
+    pub requester: String,
+    /// Total budget, fee included.
+    pub budget: Amount,
+    /// Number of tasks.
+    pub tasks: usize,
+    /// Largest group size of any task.
+    pub max_group_size: u32,
+    /// Bids taken until, ms since the epoch.
+    pub expires_at_ms: u64,
+    /// Results due, ms since the epoch.
+    pub deadline_ms: u64,
+    /// When this node received it, µs since the epoch.
+    pub received_at_us: u64,
+}
+
+impl From<&OfferEntry> for Offer {
+    fn from(e: &OfferEntry) -> Self {
+        Self {
+            job_id: e.offer.job_id.to_string(),
+            id: e.id.to_string(),
+            requester: e.offer.requester.to_string(),
+            budget: e.offer.budget,
+            tasks: e.offer.tasks.len(),
+            max_group_size: e
+                .offer
+                .tasks
+                .iter()
+                .map(|t| t.group_size)
+                .max()
+                .unwrap_or(0),
+            expires_at_ms: e.offer.expires_at.0,
+            deadline_ms: e.offer.deadline.0,
+            received_at_us: e.received_at_us,
+        }
+    }
+}
+
+/// `POST /v1/offers` answer: what was published.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Published {
+    /// Job id.
+    pub job_id: String,
+    /// Message id.
+    pub id: String,
+    /// When the node published it, µs since the epoch.
+    pub published_at_us: u64,
+}
+
+/// `POST /v1/peers/{peer}/ping` answer: request-response round trips.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PingReport {
+    /// The peer.
+    pub peer_id: String,
+    /// Each round trip in microseconds, in order.
+    pub rtt_us: Vec<u64>,
+}
+
+/// A bid this node received for one of its offers, `GET /v1/market/bids`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReceivedBid {
+    /// Job id.
+    pub job_id: String,
+    /// Task index.
+    pub task: u32,
+    /// The bidding worker.
+    pub worker: String,
+    /// Quoted price.
+    pub price: Amount,
+    /// Message id.
+    pub id: String,
+}
+
+/// An error body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// What went wrong and what to do.
+    pub error: String,
+}
+
+/// `POST /v1/offers`: what a requester fills in to publish an offer; the node adds its identity, sequence
+/// number, times and delivery recipient, then signs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OfferTemplate {
+    /// A job id to use; a random one when absent.
+    #[serde(default)]
+    pub job_id: Option<Uuid>,
+    /// The tasks; the budget is their sum.
+    pub tasks: Vec<TaskSpec>,
+    /// How long bids are taken, in milliseconds.
+    pub ttl_ms: u64,
+    /// When results are due, in milliseconds from now.
+    pub deadline_ms: u64,
+    /// Review window in milliseconds.
+    pub review_window_ms: u64,
+    /// Acceptance metrics.
+    #[serde(default)]
+    pub acceptance: Vec<AcceptanceMetric>,
+    /// Who receives the 1% fee; this node when absent.
+    #[serde(default)]
+    pub fee_recipient: Option<Address>,
+}

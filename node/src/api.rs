@@ -1,0 +1,179 @@
+//! The local control API: JSON over HTTP on loopback, for the CLI and scripts.
+//!
+//! Every request must carry `Authorization: Bearer <token>`, where the token is the content
+//! of `api.token` in the data directory (created with mode 0600 on first start). Anyone who
+//! can read that file can control the node; nobody else can.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use anyhow::Context as _;
+use axum::extract::{Path as UrlPath, Query, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use cannabis_market::api::{self, ApiError};
+use serde::Deserialize;
+
+use crate::keystore;
+use crate::service::{NodeHandle, OfferTemplate};
+
+/// The token file's name in the data directory.
+pub const TOKEN_FILE: &str = "api.token";
+
+/// Reads the API token, creating it (0600) on first use.
+pub fn ensure_token(data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join(TOKEN_FILE);
+    if path.exists() {
+        return read_token(data_dir);
+    }
+    let token = hex::encode(*keystore::random_bytes::<32>()?);
+    keystore::write_private(&path, token.as_bytes())?;
+    Ok(token)
+}
+
+/// Reads the API token of the node whose data directory is `data_dir`.
+pub fn read_token(data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join(TOKEN_FILE);
+    let bytes = keystore::read_private(&path).with_context(|| {
+        format!(
+            "reading the API token (is a node running with data dir {}?)",
+            data_dir.display()
+        )
+    })?;
+    Ok(String::from_utf8_lossy(&bytes).trim().to_string())
+}
+
+struct Error(StatusCode, String);
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        (self.0, Json(ApiError { error: self.1 })).into_response()
+    }
+}
+
+impl From<anyhow::Error> for Error {
+    fn from(e: anyhow::Error) -> Self {
+        Error(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}"))
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    node: NodeHandle,
+    token: std::sync::Arc<str>,
+}
+
+async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match presented {
+        Some(t) if constant_time_eq(t.as_bytes(), state.token.as_bytes()) => {
+            next.run(request).await
+        }
+        _ => Error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong API token: send `Authorization: Bearer <contents of api.token>`"
+                .into(),
+        )
+        .into_response(),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Binds the API listener. Refuses anything but a loopback address.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    anyhow::ensure!(
+        addr.ip().is_loopback(),
+        "the local API must listen on loopback (127.0.0.1 or ::1), not {addr}"
+    );
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the local API on {addr}"))
+}
+
+/// Serves the API on `listener` until the task is dropped.
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    node: NodeHandle,
+    token: String,
+) -> tokio::task::JoinHandle<()> {
+    let state = AppState {
+        node,
+        token: token.into(),
+    };
+    let app = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/peers", get(peers))
+        .route("/v1/peers/{peer}/ping", post(ping))
+        .route("/v1/market/ads", get(ads))
+        .route("/v1/market/offers", get(offers))
+        .route("/v1/market/bids", get(bids))
+        .route("/v1/offers", post(publish_offer))
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "local API stopped");
+        }
+    })
+}
+
+async fn status(State(s): State<AppState>) -> Result<Json<api::Status>, Error> {
+    Ok(Json(s.node.status().await?))
+}
+
+async fn peers(State(s): State<AppState>) -> Result<Json<Vec<api::Peer>>, Error> {
+    Ok(Json(s.node.peers().await?))
+}
+
+async fn ads(State(s): State<AppState>) -> Result<Json<Vec<api::Ad>>, Error> {
+    Ok(Json(s.node.ads().await?))
+}
+
+async fn offers(State(s): State<AppState>) -> Result<Json<Vec<api::Offer>>, Error> {
+    Ok(Json(s.node.offers().await?))
+}
+
+async fn bids(State(s): State<AppState>) -> Result<Json<Vec<api::ReceivedBid>>, Error> {
+    Ok(Json(s.node.bids().await?))
+}
+
+async fn publish_offer(
+    State(s): State<AppState>,
+    Json(template): Json<OfferTemplate>,
+) -> Result<Json<api::Published>, Error> {
+    s.node
+        .publish_offer(template)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+#[derive(Deserialize)]
+struct PingQuery {
+    count: Option<u32>,
+}
+
+async fn ping(
+    State(s): State<AppState>,
+    UrlPath(peer): UrlPath<String>,
+    Query(q): Query<PingQuery>,
+) -> Result<Json<api::PingReport>, Error> {
+    let peer = peer.parse().map_err(|e| {
+        Error(
+            StatusCode::BAD_REQUEST,
+            format!("{peer:?} is not a peer id: {e}"),
+        )
+    })?;
+    let count = q.count.unwrap_or(10).clamp(1, 10_000);
+    Ok(Json(s.node.ping(peer, count).await?))
+}

@@ -1,0 +1,169 @@
+//! `cannabis node`: run a node, and ask a running one about itself.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cannabis_node::keystore::{self, KeyPaths};
+use cannabis_node::logging::{self, LogFormat};
+use cannabis_node::{NodeConfig, api};
+use cannabis_testnet::ApiClient;
+use tracing::info;
+
+use crate::cli::{NodeCommand, RunArgs};
+use crate::output::{self, out};
+
+pub(super) fn run(
+    command: NodeCommand,
+    data_dir: &Path,
+    log_format: LogFormat,
+) -> anyhow::Result<()> {
+    match command {
+        NodeCommand::Run(args) => run_node(&args, data_dir, log_format),
+        NodeCommand::Status { format } => {
+            let s = ApiClient::from_data_dir(data_dir)?.status()?;
+            if format.json {
+                return output::json(&s);
+            }
+            let mesh = s
+                .mesh_peers
+                .iter()
+                .map(|t| format!("{} {}", t.topic, t.peers))
+                .collect::<Vec<_>>()
+                .join(", ");
+            output::table(&[
+                ("address", s.address.clone()),
+                ("peer id", s.peer_id.clone()),
+                ("listening", s.listen_addrs.join(" ")),
+                ("connected peers", s.connected_peers.to_string()),
+                ("gossip mesh", mesh),
+                ("capability ads", s.ads.to_string()),
+                ("open offers", s.offers.to_string()),
+                ("uptime", format!("{} s", s.uptime_secs)),
+                ("version", s.version.clone()),
+            ])?;
+            Ok(())
+        }
+        NodeCommand::Peers { format } => {
+            let peers = ApiClient::from_data_dir(data_dir)?.peers()?;
+            if format.json {
+                return output::json(&peers);
+            }
+            out!("{:<54} {:>8} {:>10}  address", "peer id", "score", "ping")?;
+            for p in &peers {
+                let ping = p
+                    .ping_us
+                    .map_or("-".to_string(), |us| format!("{:.2} ms", us as f64 / 1e3));
+                out!(
+                    "{:<54} {:>8.2} {:>10}  {}",
+                    p.peer_id,
+                    p.score,
+                    ping,
+                    p.address.as_deref().unwrap_or("-")
+                )?;
+            }
+            out!("{} peers", peers.len())?;
+            Ok(())
+        }
+        NodeCommand::Ping {
+            peer,
+            count,
+            format,
+        } => {
+            let report = ApiClient::from_data_dir(data_dir)?.ping(&peer, count)?;
+            if format.json {
+                return output::json(&report);
+            }
+            let mut rtt = report.rtt_us.clone();
+            let s =
+                cannabis_testnet::stats::summarize(&mut rtt).context("no round trip measured")?;
+            out!(
+                "{} round trips to {}: p50 {} us, p99 {} us, max {} us",
+                s.count,
+                report.peer_id,
+                s.p50,
+                s.p99,
+                s.max
+            )?;
+            Ok(())
+        }
+    }
+}
+
+fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::Result<()> {
+    logging::init(log_format);
+    let mut config = match &args.config {
+        Some(path) => NodeConfig::from_file(path)?,
+        None => NodeConfig::default(),
+    };
+    if !args.listen.is_empty() {
+        config.listen = args.listen.clone();
+    }
+    config.bootstrap.extend(args.bootstrap.iter().cloned());
+    if args.no_mdns {
+        config.mdns = false;
+    }
+    if args.relay {
+        config.relay_server = true;
+    }
+    if let Some(api) = args.api {
+        config.api = api;
+    }
+    if args.testnet {
+        config.gossip.ip_colocation_threshold = 10_000.0;
+    }
+    config.check()?;
+
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating the data directory {}", data_dir.display()))?;
+    let paths = KeyPaths::new(data_dir);
+    let keys = if paths.node.exists() {
+        keystore::load(&paths)?
+    } else {
+        let keys = keystore::create(&paths, false, super::now_ms() / 1000)?;
+        info!(address = %keys.signing.address(), dir = %paths.dir.display(), "created the node identity");
+        keys
+    };
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let token = api::ensure_token(data_dir)?;
+        let listener = api::bind(config.api).await?;
+        let api_addr = listener.local_addr()?;
+        let (handle, task) = cannabis_node::start(config, keys, data_dir, Some(api_addr)).await?;
+        let server = api::serve(listener, handle.clone(), token);
+        info!(api = %api_addr, data_dir = %data_dir.display(), "local API listening");
+        wait_for_stop().await;
+        info!("stopping");
+        server.abort();
+        let _ = server.await;
+        drop(handle);
+        if tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the node did not stop within 5 s");
+        }
+        let _ = std::fs::remove_file(data_dir.join("node.json"));
+        anyhow::Ok(())
+    })
+}
+
+/// Ctrl-C or SIGTERM.
+async fn wait_for_stop() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}

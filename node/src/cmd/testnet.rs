@@ -1,0 +1,134 @@
+//! `cannabis testnet`: local testnets of real node processes.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cannabis_node::logging::LogFormat;
+use cannabis_testnet::bench::{self, BenchOptions};
+use cannabis_testnet::launcher::{self, Testnet, TestnetOptions};
+
+use crate::cli::TestnetCommand;
+use crate::output::{self, out};
+
+pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()> {
+    let binary = std::env::current_exe().context("finding the cannabis binary")?;
+    match command {
+        TestnetCommand::Up { nodes, dir } => {
+            let opts = TestnetOptions {
+                binary,
+                dir: dir.clone(),
+                nodes,
+                ready_timeout: Duration::from_secs(30),
+            };
+            out!("starting {nodes} nodes in {} ...", dir.display())?;
+            let mut net = Testnet::up(&opts)?;
+            out!("{:<6} {:<54} {:<22} data dir", "node", "peer id", "api")?;
+            for n in &net.nodes {
+                out!(
+                    "{:<6} {:<54} {:<22} {}",
+                    n.index,
+                    n.info.peer_id,
+                    n.info.api.as_deref().unwrap_or("-"),
+                    n.data_dir.display()
+                )?;
+            }
+            out!(
+                "\nAsk any node with `cannabis --data-dir {}/node-0 node status`.\n\
+                 Ctrl-C (or `cannabis testnet down --dir {}`) stops them all.",
+                dir.display(),
+                dir.display()
+            )?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                anyhow::Ok(())
+            })?;
+            net.stop();
+            out!("stopped")?;
+            Ok(())
+        }
+        TestnetCommand::Down { dir } => {
+            let n = launcher::down(&dir)?;
+            out!("stopped {n} nodes of the testnet in {}", dir.display())?;
+            Ok(())
+        }
+        TestnetCommand::Bench {
+            nodes,
+            offers,
+            pings,
+            dir,
+            format,
+        } => {
+            if dir.exists() {
+                launcher::down(&dir)?;
+                std::fs::remove_dir_all(&dir)
+                    .with_context(|| format!("emptying {}", dir.display()))?;
+            }
+            let opts = BenchOptions {
+                testnet: TestnetOptions {
+                    binary,
+                    dir,
+                    nodes,
+                    ready_timeout: Duration::from_secs(60),
+                },
+                offers,
+                interval: Duration::from_millis(100),
+                pings,
+            };
+            let r = bench::run(&opts)?;
+            if format.json {
+                return output::json(&r);
+            }
+            let ms = |us: u64| format!("{:.3} ms", us as f64 / 1e3);
+            output::table(&[
+                ("nodes", r.nodes.to_string()),
+                ("offers", r.offers.to_string()),
+                ("start and converge", format!("{} ms", r.converge_ms)),
+                (
+                    "offer propagation",
+                    format!(
+                        "p50 {}  p99 {}  max {}  ({} of {} receipts)",
+                        ms(r.propagation_us.p50),
+                        ms(r.propagation_us.p99),
+                        ms(r.propagation_us.max),
+                        r.receipts_seen,
+                        r.receipts_expected
+                    ),
+                ),
+                (
+                    "request-response rtt",
+                    format!(
+                        "p50 {}  p99 {}  max {}  ({} round trips)",
+                        ms(r.request_response_rtt_us.p50),
+                        ms(r.request_response_rtt_us.p99),
+                        ms(r.request_response_rtt_us.max),
+                        r.request_response_rtt_us.count
+                    ),
+                ),
+                (
+                    "propagation / rtt (p50)",
+                    format!(
+                        "{:.1}x",
+                        r.propagation_us.p50 as f64 / r.request_response_rtt_us.p50.max(1) as f64
+                    ),
+                ),
+                (
+                    "idle RSS per node",
+                    format!(
+                        "mean {} MiB  max {} MiB",
+                        r.rss_kib_mean / 1024,
+                        r.rss_kib_max / 1024
+                    ),
+                ),
+            ])?;
+            Ok(())
+        }
+    }
+}

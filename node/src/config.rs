@@ -1,0 +1,163 @@
+//! The node's configuration: a TOML file (`--config`), overridden by command-line flags.
+//! Every field has a default, so no file is needed to start.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use anyhow::Context as _;
+use libp2p::Multiaddr;
+use serde::{Deserialize, Serialize};
+
+/// Node configuration.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Swarm listen addresses (TCP and QUIC).
+    pub listen: Vec<Multiaddr>,
+    /// Peers to dial at start and to bootstrap Kademlia from (`/ip4/.../tcp/.../p2p/...`).
+    pub bootstrap: Vec<Multiaddr>,
+    /// Discover peers on the local network with mDNS.
+    pub mdns: bool,
+    /// Act as a circuit relay for peers behind NAT.
+    pub relay_server: bool,
+    /// Local API address. Keep it on loopback.
+    pub api: SocketAddr,
+    /// Connection limits.
+    pub limits: Limits,
+    /// Gossip and market-view settings.
+    pub gossip: Gossip,
+}
+
+/// Connection limits.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Most established connections in total.
+    pub max_established: u32,
+    /// Most established connections to one peer.
+    pub max_established_per_peer: u32,
+    /// Most incoming connections still handshaking.
+    pub max_pending_incoming: u32,
+    /// Most outgoing connections still handshaking.
+    pub max_pending_outgoing: u32,
+    /// Seconds an idle connection stays open.
+    pub idle_connection_timeout_secs: u64,
+    /// Seconds a directed request may take.
+    pub request_timeout_secs: u64,
+}
+
+/// Gossip and market-view settings.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Gossip {
+    /// How long this node's capability ad stays valid.
+    pub ad_ttl_secs: u64,
+    /// How often the ad is re-made and re-published (before it expires).
+    pub ad_refresh_secs: u64,
+    /// Milliseconds between gossipsub heartbeats.
+    pub heartbeat_millis: u64,
+    /// Peers sharing one IP address before peer scores are lowered (raise it for local
+    /// testnets, where every node is on 127.0.0.1).
+    pub ip_colocation_threshold: f64,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            listen: vec![
+                "/ip4/0.0.0.0/tcp/4001".parse().expect("valid multiaddr"),
+                "/ip4/0.0.0.0/udp/4001/quic-v1"
+                    .parse()
+                    .expect("valid multiaddr"),
+            ],
+            bootstrap: Vec::new(),
+            mdns: true,
+            relay_server: false,
+            api: SocketAddr::from(([127, 0, 0, 1], 4080)),
+            limits: Limits::default(),
+            gossip: Gossip::default(),
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_established: 256,
+            max_established_per_peer: 2,
+            max_pending_incoming: 64,
+            max_pending_outgoing: 64,
+            idle_connection_timeout_secs: 300,
+            request_timeout_secs: 10,
+        }
+    }
+}
+
+impl Default for Gossip {
+    fn default() -> Self {
+        Self {
+            ad_ttl_secs: 600,
+            ad_refresh_secs: 240,
+            heartbeat_millis: 700,
+            ip_colocation_threshold: 10.0,
+        }
+    }
+}
+
+impl NodeConfig {
+    /// Reads a TOML file; unknown keys are an error that names them.
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        let config: NodeConfig =
+            toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Cross-field checks.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.gossip.ad_refresh_secs > 0
+                && self.gossip.ad_refresh_secs < self.gossip.ad_ttl_secs,
+            "gossip.ad_refresh_secs must be above 0 and below gossip.ad_ttl_secs, so ads are \
+             refreshed before they expire"
+        );
+        anyhow::ensure!(
+            self.limits.max_established_per_peer >= 1 && self.limits.max_established >= 1,
+            "limits.max_established and limits.max_established_per_peer must be at least 1"
+        );
+        anyhow::ensure!(
+            self.gossip.heartbeat_millis >= 100,
+            "gossip.heartbeat_millis must be at least 100"
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_pass_their_own_checks() {
+        NodeConfig::default().check().unwrap();
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = toml::from_str::<NodeConfig>("listne = []")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("listne"), "{err}");
+    }
+
+    #[test]
+    fn partial_files_keep_defaults() {
+        let c: NodeConfig =
+            toml::from_str("mdns = false\n[limits]\nmax_established = 9\n").unwrap();
+        assert!(!c.mdns);
+        assert_eq!(c.limits.max_established, 9);
+        assert_eq!(c.limits.max_established_per_peer, 2);
+    }
+}

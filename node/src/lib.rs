@@ -1,0 +1,14 @@
+//! The `cannabis` node: the libp2p swarm, the store, the local API and the driver that wires
+//! them to the market view. The `cannabis` binary (`src/main.rs`) is its command line.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+pub mod api;
+pub mod config;
+pub mod keystore;
+pub mod logging;
+pub mod service;
+pub mod store;
+pub mod swarm;
+
+pub use config::NodeConfig;
+pub use service::{NodeHandle, OfferTemplate, start};

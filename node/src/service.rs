@@ -1,0 +1,413 @@
+//! The node's driver: one task owns the swarm, the market view and the store. Swarm events
+//! and commands (from the local API, the CLI, tests) go in; gossip, requests and answers
+//! come out. A cheap-to-clone [`NodeHandle`] sends commands over a bounded channel.
+
+mod directed;
+mod gossip;
+mod handle;
+
+pub use cannabis_market::api::OfferTemplate;
+pub use handle::NodeHandle;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use cannabis_market::{View, ViewConfig, api};
+use cannabis_protocol::{Address, MarketResponse, Timestamp};
+use futures::StreamExt as _;
+use libp2p::request_response::OutboundRequestId;
+use libp2p::swarm::SwarmEvent;
+use libp2p::{Multiaddr, PeerId, Swarm, identify, kad, mdns};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, info, warn};
+
+use crate::config::NodeConfig;
+use crate::keystore::NodeKeys;
+use crate::store::{Kind, Store};
+use crate::swarm::{self, Behaviour, BehaviourEvent, Topic};
+
+/// Connections a node keeps open to peers it discovers, so that gossip meshes can form.
+const TARGET_PEERS: usize = 16;
+
+/// Now, as the protocol's millisecond timestamp and in microseconds.
+pub(crate) fn now() -> (Timestamp, u64) {
+    let us = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0);
+    (Timestamp(us / 1000), us)
+}
+
+/// What the driver is asked to do.
+pub(crate) enum Command {
+    Status(oneshot::Sender<api::Status>),
+    Peers(oneshot::Sender<Vec<api::Peer>>),
+    Ads(oneshot::Sender<Vec<api::Ad>>),
+    Offers(oneshot::Sender<Vec<api::Offer>>),
+    Bids(oneshot::Sender<Vec<api::ReceivedBid>>),
+    PublishOffer(
+        OfferTemplate,
+        oneshot::Sender<anyhow::Result<api::Published>>,
+    ),
+    PublishAd(oneshot::Sender<anyhow::Result<()>>),
+    Market {
+        peer: PeerId,
+        request: cannabis_protocol::MarketRequest,
+        reply: oneshot::Sender<anyhow::Result<MarketResponse>>,
+    },
+    Dial(Multiaddr, oneshot::Sender<anyhow::Result<()>>),
+}
+
+/// A running node's state, owned by its driver task.
+pub(crate) struct Node {
+    swarm: Swarm<Behaviour>,
+    view: View,
+    store: Store,
+    keys: NodeKeys,
+    config: NodeConfig,
+    address: Address,
+    started: Instant,
+    data_dir: PathBuf,
+    api_addr: Option<std::net::SocketAddr>,
+    pending: HashMap<OutboundRequestId, oneshot::Sender<anyhow::Result<MarketResponse>>>,
+    ping_rtt: HashMap<PeerId, Duration>,
+    app_scores: HashMap<PeerId, f64>,
+}
+
+/// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
+/// spawns the driver. Returns the handle and the driver's task.
+pub async fn start(
+    config: NodeConfig,
+    keys: NodeKeys,
+    data_dir: &Path,
+    api_addr: Option<std::net::SocketAddr>,
+) -> anyhow::Result<(NodeHandle, tokio::task::JoinHandle<()>)> {
+    config.check()?;
+    let store = Store::open(&data_dir.join("node.redb"))?;
+    let libp2p_key = libp2p::identity::Keypair::ed25519_from_bytes(*keys.signing.secret())
+        .context("turning the node key into a libp2p identity")?;
+    let mut swarm = swarm::build(libp2p_key, &config)?;
+    for addr in &config.listen {
+        swarm
+            .listen_on(addr.clone())
+            .with_context(|| format!("listening on {addr}"))?;
+    }
+    let address = keys.signing.address();
+    let peer_id = *swarm.local_peer_id();
+    let (tx, rx) = mpsc::channel(256);
+    let mut node = Node {
+        swarm,
+        view: View::new(ViewConfig::default()),
+        store,
+        keys,
+        config,
+        address,
+        started: Instant::now(),
+        data_dir: data_dir.to_path_buf(),
+        api_addr,
+        pending: HashMap::new(),
+        ping_rtt: HashMap::new(),
+        app_scores: HashMap::new(),
+    };
+    node.restore()?;
+    node.bootstrap();
+    info!(%peer_id, %address, "node started");
+    let task = tokio::spawn(node.run(rx));
+    Ok((NodeHandle::new(tx, peer_id, address), task))
+}
+
+impl Node {
+    /// Loads what the store kept, re-verifying everything; drops what expired meanwhile.
+    fn restore(&mut self) -> anyhow::Result<()> {
+        let (now_ms, _) = now();
+        let mut kept = 0;
+        for kind in [Kind::Ad, Kind::Offer] {
+            for (received_us, bytes) in self.store.load(kind)? {
+                let verdict = match kind {
+                    Kind::Ad => self.view.on_ad(&bytes, None, now_ms, received_us),
+                    Kind::Offer => self.view.on_offer(&bytes, None, now_ms, received_us),
+                };
+                if matches!(verdict, cannabis_market::Verdict::Accept(_)) {
+                    kept += 1;
+                }
+            }
+        }
+        // Whatever was not accepted back (expired, superseded) leaves the store too.
+        self.forget_missing()?;
+        info!(kept, "market view restored from the store");
+        Ok(())
+    }
+
+    fn forget_missing(&mut self) -> anyhow::Result<()> {
+        for (_, bytes) in self.store.load(Kind::Ad)? {
+            if let Ok(s) =
+                cannabis_protocol::Signed::<cannabis_protocol::CapabilityAd>::from_bytes(&bytes)
+                && let Ok(v) = s.verify()
+                && self.view.ad(&v.body.node).is_none_or(|e| e.id != v.id)
+            {
+                self.store
+                    .remove(Kind::Ad, v.body.node.to_string().as_bytes())?;
+            }
+        }
+        for (_, bytes) in self.store.load(Kind::Offer)? {
+            if let Ok(s) =
+                cannabis_protocol::Signed::<cannabis_protocol::JobOffer>::from_bytes(&bytes)
+                && let Ok(v) = s.verify()
+                && self.view.offer(&v.body.job_id).is_none_or(|e| e.id != v.id)
+            {
+                self.store.remove(Kind::Offer, &v.body.job_id.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn bootstrap(&mut self) {
+        for addr in self.config.bootstrap.clone() {
+            if let Some(libp2p::multiaddr::Protocol::P2p(peer)) = addr.iter().last() {
+                self.swarm
+                    .behaviour_mut()
+                    .kad
+                    .add_address(&peer, addr.clone());
+            }
+            if let Err(e) = self.swarm.dial(addr.clone()) {
+                warn!(%addr, error = %e, "cannot dial bootstrap peer");
+            }
+        }
+        if !self.config.bootstrap.is_empty()
+            && let Err(e) = self.swarm.behaviour_mut().kad.bootstrap()
+        {
+            debug!(error = %e, "kademlia bootstrap not started");
+        }
+    }
+
+    async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+        let mut ad_timer =
+            tokio::time::interval(Duration::from_secs(self.config.gossip.ad_refresh_secs));
+        let mut expiry = tokio::time::interval(Duration::from_millis(250));
+        expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                command = commands.recv() => match command {
+                    Some(c) => self.on_command(c),
+                    None => break,
+                },
+                _ = ad_timer.tick() => {
+                    if let Err(e) = self.publish_ad() {
+                        warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
+                    }
+                }
+                _ = expiry.tick() => self.expire(),
+            }
+        }
+        info!("node stopped");
+    }
+
+    fn expire(&mut self) {
+        let (now_ms, _) = now();
+        let dropped = self.view.expire(now_ms);
+        for node in dropped.ads {
+            debug!(%node, "capability ad expired");
+            if let Err(e) = self.store.remove(Kind::Ad, node.to_string().as_bytes()) {
+                warn!(error = %e, "store");
+            }
+        }
+        for job in dropped.offers {
+            info!(%job, "offer expired");
+            if let Err(e) = self.store.remove(Kind::Offer, &job.0) {
+                warn!(error = %e, "store");
+            }
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            Command::Peers(reply) => {
+                let _ = reply.send(self.peers());
+            }
+            Command::Ads(reply) => {
+                let _ = reply.send(self.view.ads().map(api::Ad::from).collect());
+            }
+            Command::Offers(reply) => {
+                let _ = reply.send(self.view.offers().map(api::Offer::from).collect());
+            }
+            Command::Bids(reply) => {
+                let _ = reply.send(self.received_bids());
+            }
+            Command::PublishOffer(template, reply) => {
+                let _ = reply.send(self.publish_offer(template));
+            }
+            Command::PublishAd(reply) => {
+                let _ = reply.send(self.publish_ad());
+            }
+            Command::Market {
+                peer,
+                request,
+                reply,
+            } => {
+                let id = self
+                    .swarm
+                    .behaviour_mut()
+                    .market
+                    .send_request(&peer, request);
+                self.pending.insert(id, reply);
+            }
+            Command::Dial(addr, reply) => {
+                let _ = reply.send(self.swarm.dial(addr).map_err(Into::into));
+            }
+        }
+    }
+
+    fn status(&self) -> api::Status {
+        let gossipsub = &self.swarm.behaviour().gossipsub;
+        api::Status {
+            address: self.address.to_string(),
+            peer_id: self.swarm.local_peer_id().to_string(),
+            listen_addrs: self.swarm.listeners().map(ToString::to_string).collect(),
+            connected_peers: self.swarm.connected_peers().count(),
+            mesh_peers: Topic::ALL
+                .iter()
+                .map(|t| api::TopicPeers {
+                    topic: t.name().to_string(),
+                    peers: gossipsub.mesh_peers(&t.ident().hash()).count(),
+                })
+                .collect(),
+            ads: self.view.ads().count(),
+            offers: self.view.offers().count(),
+            uptime_secs: self.started.elapsed().as_secs(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+
+    fn peers(&self) -> Vec<api::Peer> {
+        let gossipsub = &self.swarm.behaviour().gossipsub;
+        self.swarm
+            .connected_peers()
+            .map(|peer| api::Peer {
+                peer_id: peer.to_string(),
+                address: swarm::address_of(peer).map(|a| a.to_string()),
+                addrs: Vec::new(),
+                score: gossipsub.peer_score(peer).unwrap_or(0.0),
+                ping_us: self
+                    .ping_rtt
+                    .get(peer)
+                    .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+            })
+            .collect()
+    }
+
+    /// Writes `node.json` in the data directory: how tools find this node.
+    fn write_info(&self) {
+        let info = serde_json::json!({
+            "peer_id": self.swarm.local_peer_id().to_string(),
+            "address": self.address.to_string(),
+            "listen_addrs": self.swarm.listeners().map(ToString::to_string).collect::<Vec<_>>(),
+            "api": self.api_addr.map(|a| a.to_string()),
+            "pid": std::process::id(),
+        });
+        let path = self.data_dir.join("node.json");
+        let tmp = self.data_dir.join("node.json.tmp");
+        let result =
+            std::fs::write(&tmp, info.to_string()).and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = result {
+            warn!(path = %path.display(), error = %e, "cannot write node info");
+        }
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                info!(%address, "listening");
+                self.write_info();
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                endpoint,
+                num_established,
+                ..
+            } => {
+                debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                if num_established.get() == 1 {
+                    self.start_sync(peer_id);
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established,
+                cause,
+                ..
+            } => {
+                debug!(peer = %peer_id, remaining = num_established, cause = ?cause, "connection closed");
+                if num_established == 0 {
+                    self.ping_rtt.remove(&peer_id);
+                }
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                debug!(peer = ?peer_id, error = %error, "dial failed");
+            }
+            SwarmEvent::IncomingConnectionError { error, .. } => {
+                debug!(error = %error, "incoming connection failed");
+            }
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
+            _ => {}
+        }
+    }
+
+    fn on_behaviour_event(&mut self, event: BehaviourEvent) {
+        match event {
+            BehaviourEvent::Gossipsub(e) => self.on_gossip(e),
+            BehaviourEvent::Market(e) => self.on_market(e),
+            BehaviourEvent::Sync(e) => self.on_sync(e),
+            BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+            }
+            BehaviourEvent::Kad(kad::Event::RoutingUpdated { peer, .. }) => self.maybe_dial(peer),
+            BehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                for (peer, addr) in found {
+                    self.swarm.behaviour_mut().kad.add_address(&peer, addr);
+                    self.maybe_dial(peer);
+                }
+            }
+            BehaviourEvent::Ping(libp2p::ping::Event {
+                peer,
+                result: Ok(rtt),
+                ..
+            }) => {
+                self.ping_rtt.insert(peer, rtt);
+            }
+            other => debug!(event = ?other, "swarm"),
+        }
+    }
+
+    /// Dials a discovered peer while the node has fewer connections than it aims for.
+    fn maybe_dial(&mut self, peer: PeerId) {
+        if peer == *self.swarm.local_peer_id()
+            || self.swarm.is_connected(&peer)
+            || self.swarm.connected_peers().count() >= TARGET_PEERS
+        {
+            return;
+        }
+        if let Err(e) = self.swarm.dial(peer) {
+            debug!(%peer, error = %e, "cannot dial discovered peer");
+        }
+    }
+
+    /// Lowers a peer's application score after a bad directed request or sync page.
+    fn penalize(&mut self, peer: PeerId, by: f64, why: &str) {
+        let score = self.app_scores.entry(peer).or_insert(0.0);
+        *score -= by;
+        let score = *score;
+        self.swarm
+            .behaviour_mut()
+            .gossipsub
+            .set_application_score(&peer, score);
+        warn!(%peer, score, why, "peer penalized");
+    }
+}

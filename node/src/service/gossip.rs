@@ -1,0 +1,256 @@
+//! Gossip: validating what arrives (accept / ignore / reject), publishing our own ad and
+//! offers.
+
+use anyhow::Context as _;
+use cannabis_market::{Verdict, api};
+use cannabis_protocol::{
+    AdapterKind, Amount, CapabilityAd, FOUNDER_FEE_BPS, FeeTerms, JobOffer, NetworkLimits,
+    PriceSheet, Signed, Uuid,
+};
+use libp2p::gossipsub::{self, MessageAcceptance};
+use tracing::{debug, info, warn};
+
+use super::{Node, OfferTemplate, now};
+use crate::store::Kind;
+use crate::swarm::{self, Topic};
+
+impl Node {
+    pub(super) fn on_gossip(&mut self, event: gossipsub::Event) {
+        let gossipsub::Event::Message {
+            propagation_source,
+            message_id,
+            message,
+        } = event
+        else {
+            if let gossipsub::Event::Subscribed { peer_id, topic } = event {
+                debug!(peer = %peer_id, %topic, "peer subscribed");
+            }
+            return;
+        };
+        let (now_ms, now_us) = now();
+        // Strict validation mode: gossipsub has checked that `source` signed the message.
+        let source = message.source.as_ref().and_then(swarm::address_of);
+        let topic = Topic::from_hash(&message.topic);
+        let verdict = match (topic, source) {
+            (Some(Topic::Ads), Some(source)) => {
+                self.view
+                    .on_ad(&message.data, Some(&source), now_ms, now_us)
+            }
+            (Some(Topic::Offers), Some(source)) => {
+                self.view
+                    .on_offer(&message.data, Some(&source), now_ms, now_us)
+            }
+            (Some(Topic::Blocks), Some(source)) => on_block(&message.data, &source),
+            (None, _) | (_, None) => Verdict::Reject(cannabis_market::RejectReason::Decode(
+                cannabis_protocol::DecodeError::Malformed {
+                    kind: "gossip message",
+                    reason: "unknown topic or anonymous source".into(),
+                },
+            )),
+        };
+        let msg = hex_id(&message_id);
+        let acceptance = match &verdict {
+            Verdict::Accept(id) => {
+                debug!(peer = %propagation_source, %msg, id = %id, topic = ?topic, "gossip accepted");
+                match topic {
+                    Some(Topic::Ads) => self.keep_ad(&message.data, now_us),
+                    Some(Topic::Offers) => self.keep_offer(&message.data, now_us),
+                    _ => {}
+                }
+                MessageAcceptance::Accept
+            }
+            Verdict::Ignore(why) => {
+                debug!(peer = %propagation_source, %msg, %why, "gossip ignored");
+                MessageAcceptance::Ignore
+            }
+            Verdict::Reject(why) => {
+                warn!(peer = %propagation_source, %msg, %why, "gossip rejected");
+                MessageAcceptance::Reject
+            }
+        };
+        self.swarm
+            .behaviour_mut()
+            .gossipsub
+            .report_message_validation_result(&message_id, &propagation_source, acceptance);
+    }
+
+    /// Persists an accepted ad (so a restart keeps it).
+    pub(super) fn keep_ad(&mut self, bytes: &[u8], received_us: u64) {
+        let key = Signed::<CapabilityAd>::from_bytes(bytes)
+            .ok()
+            .and_then(|s| s.verify().ok())
+            .map(|v| v.body.node.to_string());
+        if let Some(key) = key
+            && let Err(e) = self.store.put(Kind::Ad, key.as_bytes(), received_us, bytes)
+        {
+            warn!(error = %format!("{e:#}"), "cannot store an ad");
+        }
+    }
+
+    /// Persists an accepted offer.
+    pub(super) fn keep_offer(&mut self, bytes: &[u8], received_us: u64) {
+        let key = Signed::<JobOffer>::from_bytes(bytes)
+            .ok()
+            .and_then(|s| s.verify().ok())
+            .map(|v| v.body.job_id);
+        if let Some(key) = key
+            && let Err(e) = self.store.put(Kind::Offer, &key.0, received_us, bytes)
+        {
+            warn!(error = %format!("{e:#}"), "cannot store an offer");
+        }
+    }
+
+    /// Makes, signs, keeps and gossips this node's capability ad.
+    pub(super) fn publish_ad(&mut self) -> anyhow::Result<()> {
+        let (now_ms, now_us) = now();
+        let host = cannabis_runtime::probe::host(&self.data_dir);
+        let ad = CapabilityAd {
+            node: self.address,
+            seq: self.store.next_seq("ad", now_ms.0)?,
+            issued_at: now_ms,
+            expires_at: now_ms.plus_ms(self.config.gossip.ad_ttl_secs.saturating_mul(1000)),
+            delivery: self.keys.delivery.recipient(),
+            hardware: host.hardware,
+            os: host.os,
+            runtimes: Vec::new(),
+            adapters: vec![AdapterKind::Synthetic],
+            collectives: Vec::new(),
+            isolation: Vec::new(),
+            network: NetworkLimits::default(),
+            prices: PriceSheet::default(),
+            attestation: None,
+            challenge: None,
+        };
+        let bytes = Signed::sign(&self.keys.signing, &ad).to_bytes();
+        self.publish(Topic::Ads, bytes, now_us)?;
+        debug!(seq = ad.seq, "capability ad published");
+        Ok(())
+    }
+
+    /// Makes, signs, keeps and gossips an offer from a template.
+    pub(super) fn publish_offer(&mut self, t: OfferTemplate) -> anyhow::Result<api::Published> {
+        let (now_ms, now_us) = now();
+        let budget =
+            Amount::sum(t.tasks.iter().map(|t| &t.budget)).context("task budgets overflow")?;
+        let offer = JobOffer {
+            job_id: match t.job_id {
+                Some(id) => id,
+                None => Uuid::from_random(random16()?),
+            },
+            requester: self.address,
+            seq: self.store.next_seq("offer", now_ms.0)?,
+            issued_at: now_ms,
+            expires_at: now_ms.plus_ms(t.ttl_ms),
+            deadline: now_ms.plus_ms(t.deadline_ms),
+            delivery: self.keys.delivery.recipient(),
+            budget,
+            fee: FeeTerms {
+                rate_bps: FOUNDER_FEE_BPS,
+                recipient: t.fee_recipient.unwrap_or(self.address),
+            },
+            review_window_ms: t.review_window_ms,
+            acceptance: t.acceptance,
+            tasks: t.tasks,
+        };
+        let signed = Signed::sign(&self.keys.signing, &offer);
+        let id = signed.id();
+        self.publish(Topic::Offers, signed.to_bytes(), now_us)?;
+        info!(job = %offer.job_id, msg = %id, "offer published");
+        Ok(api::Published {
+            job_id: offer.job_id.to_string(),
+            id: id.to_string(),
+            published_at_us: now_us,
+        })
+    }
+
+    /// Puts our own message through the same checks as everyone's, keeps it, and gossips
+    /// it. Having no peers yet is fine: peers that connect later get it through sync.
+    fn publish(&mut self, topic: Topic, bytes: Vec<u8>, now_us: u64) -> anyhow::Result<()> {
+        let me = self.address;
+        let now_ms = cannabis_protocol::Timestamp(now_us / 1000);
+        let verdict = match topic {
+            Topic::Ads => self.view.on_ad(&bytes, Some(&me), now_ms, now_us),
+            Topic::Offers => self.view.on_offer(&bytes, Some(&me), now_ms, now_us),
+            Topic::Blocks => anyhow::bail!("blocks are published by the ledger"),
+        };
+        match verdict {
+            Verdict::Accept(_) => {}
+            Verdict::Ignore(why) => anyhow::bail!("not published: {why}"),
+            Verdict::Reject(why) => anyhow::bail!("not published: {why}"),
+        }
+        match topic {
+            Topic::Ads => self.keep_ad(&bytes, now_us),
+            _ => self.keep_offer(&bytes, now_us),
+        }
+        match self
+            .swarm
+            .behaviour_mut()
+            .gossipsub
+            .publish(topic.ident(), bytes)
+        {
+            Ok(_) => Ok(()),
+            Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
+                debug!(
+                    ?topic,
+                    "no gossip peers yet; peers will get it through sync"
+                );
+                Ok(())
+            }
+            Err(e) => Err(anyhow::anyhow!("gossip publish failed: {e}")),
+        }
+    }
+
+    pub(super) fn received_bids(&self) -> Vec<api::ReceivedBid> {
+        let bids = match self.store.bids() {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(error = %format!("{e:#}"), "cannot read bids");
+                return Vec::new();
+            }
+        };
+        bids.iter()
+            .filter_map(|b| Signed::<cannabis_protocol::Bid>::from_bytes(b).ok())
+            .filter_map(|s| s.verify().ok())
+            .map(|v| api::ReceivedBid {
+                job_id: v.body.job_id.to_string(),
+                task: v.body.task,
+                worker: v.body.worker.to_string(),
+                price: v.body.price,
+                id: v.id.to_string(),
+            })
+            .collect()
+    }
+}
+
+/// Gossiped ledger blocks: structure, signatures and roots, and published by their
+/// sequencer. The ledger's own rules (height, parent, balances) are the settlement layer's.
+fn on_block(bytes: &[u8], source: &cannabis_protocol::Address) -> Verdict {
+    use cannabis_market::RejectReason;
+    let block: cannabis_protocol::Block = match cannabis_protocol::decode(bytes) {
+        Ok(b) => b,
+        Err(e) => return Verdict::Reject(RejectReason::Decode(e)),
+    };
+    match block.verify() {
+        Ok((header, _)) if header.signer == *source => Verdict::Accept(block.hash()),
+        Ok((header, _)) => Verdict::Reject(RejectReason::NotFromSigner {
+            source_addr: *source,
+            signer: header.signer,
+        }),
+        Err(e) => Verdict::Reject(RejectReason::Decode(
+            cannabis_protocol::DecodeError::Malformed {
+                kind: "block",
+                reason: e.to_string(),
+            },
+        )),
+    }
+}
+
+fn hex_id(id: &gossipsub::MessageId) -> String {
+    hex::encode(&id.0)
+}
+
+fn random16() -> anyhow::Result<[u8; 16]> {
+    let mut b = [0u8; 16];
+    getrandom::getrandom(&mut b).context("reading the system random source")?;
+    Ok(b)
+}

@@ -1,0 +1,119 @@
+//! [`NodeHandle`]: how the API, the CLI and tests talk to a running node.
+
+use std::time::Instant;
+
+use anyhow::Context as _;
+use cannabis_market::api::{self, OfferTemplate};
+use cannabis_protocol::{Address, MarketRequest, MarketResponse};
+use libp2p::{Multiaddr, PeerId};
+use tokio::sync::{mpsc, oneshot};
+
+use super::Command;
+
+/// A cheap-to-clone handle on a running node.
+#[derive(Clone)]
+pub struct NodeHandle {
+    tx: mpsc::Sender<Command>,
+    peer_id: PeerId,
+    address: Address,
+}
+
+impl NodeHandle {
+    pub(super) fn new(tx: mpsc::Sender<Command>, peer_id: PeerId, address: Address) -> Self {
+        Self {
+            tx,
+            peer_id,
+            address,
+        }
+    }
+
+    /// The node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// The node's address.
+    pub fn address(&self) -> Address {
+        self.address
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> anyhow::Result<T> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(make(tx))
+            .await
+            .map_err(|_| anyhow::anyhow!("the node has stopped"))?;
+        rx.await.context("the node stopped before answering")
+    }
+
+    /// Status.
+    pub async fn status(&self) -> anyhow::Result<api::Status> {
+        self.ask(Command::Status).await
+    }
+
+    /// Connected peers.
+    pub async fn peers(&self) -> anyhow::Result<Vec<api::Peer>> {
+        self.ask(Command::Peers).await
+    }
+
+    /// Live capability ads.
+    pub async fn ads(&self) -> anyhow::Result<Vec<api::Ad>> {
+        self.ask(Command::Ads).await
+    }
+
+    /// Open offers.
+    pub async fn offers(&self) -> anyhow::Result<Vec<api::Offer>> {
+        self.ask(Command::Offers).await
+    }
+
+    /// Bids received for this node's offers.
+    pub async fn bids(&self) -> anyhow::Result<Vec<api::ReceivedBid>> {
+        self.ask(Command::Bids).await
+    }
+
+    /// Publishes an offer.
+    pub async fn publish_offer(&self, template: OfferTemplate) -> anyhow::Result<api::Published> {
+        self.ask(|tx| Command::PublishOffer(template, tx)).await?
+    }
+
+    /// Re-makes and publishes this node's capability ad now.
+    pub async fn publish_ad(&self) -> anyhow::Result<()> {
+        self.ask(Command::PublishAd).await?
+    }
+
+    /// Sends a market request to a peer and waits for the answer.
+    pub async fn market(
+        &self,
+        peer: PeerId,
+        request: MarketRequest,
+    ) -> anyhow::Result<MarketResponse> {
+        self.ask(|reply| Command::Market {
+            peer,
+            request,
+            reply,
+        })
+        .await?
+    }
+
+    /// Dials an address.
+    pub async fn dial(&self, addr: Multiaddr) -> anyhow::Result<()> {
+        self.ask(|tx| Command::Dial(addr, tx)).await?
+    }
+
+    /// `count` sequential market-protocol round trips to `peer`, in microseconds each.
+    pub async fn ping(&self, peer: PeerId, count: u32) -> anyhow::Result<api::PingReport> {
+        let mut rtt_us = Vec::new();
+        for nonce in 0..u64::from(count) {
+            let started = Instant::now();
+            match self.market(peer, MarketRequest::Ping { nonce }).await? {
+                MarketResponse::Pong { nonce: n } if n == nonce => {}
+                other => anyhow::bail!("{peer} answered a ping with {other:?}"),
+            }
+            rtt_us.push(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX));
+        }
+        Ok(api::PingReport {
+            peer_id: peer.to_string(),
+            rtt_us,
+        })
+    }
+}

@@ -1,0 +1,160 @@
+//! The node's store: one redb file under the data directory.
+//!
+//! redb rather than sled: sled 0.34 is beta, flushes with `sync_file_range` (no durability
+//! guarantee) and has open reports of databases that will not open after an abrupt stop.
+//! redb is ACID and durable when `commit` returns. See `docs/architecture.md`.
+//!
+//! What is kept: the signed ads and offers of the live market view (so a restart keeps what
+//! is still valid; everything is re-verified when loaded), bids received for this node's
+//! offers, and the node's sequence counters (so a restart never reuses a sequence number).
+
+use std::path::Path;
+
+use anyhow::Context as _;
+use redb::{Database, ReadableDatabase as _, ReadableTable as _, TableDefinition};
+
+const ADS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("ads");
+const OFFERS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("offers");
+const BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("bids");
+const COUNTERS: TableDefinition<'_, &str, u64> = TableDefinition::new("counters");
+
+/// Which gossip table.
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    /// Capability ads, keyed by node address.
+    Ad,
+    /// Job offers, keyed by job id.
+    Offer,
+}
+
+impl Kind {
+    fn table(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
+        match self {
+            Kind::Ad => ADS,
+            Kind::Offer => OFFERS,
+        }
+    }
+}
+
+/// The node's store.
+pub struct Store {
+    db: Database,
+}
+
+impl Store {
+    /// Opens (or creates) the store at `path`.
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
+        let db = Database::create(path)
+            .with_context(|| format!("opening the store at {}", path.display()))?;
+        let txn = db.begin_write()?;
+        txn.open_table(ADS)?;
+        txn.open_table(OFFERS)?;
+        txn.open_table(BIDS)?;
+        txn.open_table(COUNTERS)?;
+        txn.commit()?;
+        Ok(Self { db })
+    }
+
+    /// Keeps a verified gossip message, replacing the previous one under `key`.
+    pub fn put(
+        &self,
+        kind: Kind,
+        key: &[u8],
+        received_at_us: u64,
+        signed: &[u8],
+    ) -> anyhow::Result<()> {
+        let mut value = Vec::with_capacity(8 + signed.len());
+        value.extend_from_slice(&received_at_us.to_le_bytes());
+        value.extend_from_slice(signed);
+        let txn = self.db.begin_write()?;
+        txn.open_table(kind.table())?
+            .insert(key, value.as_slice())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets the message under `key`.
+    pub fn remove(&self, kind: Kind, key: &[u8]) -> anyhow::Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(kind.table())?.remove(key)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Every kept message of `kind`, as `(received_at_us, signed bytes)`.
+    pub fn load(&self, kind: Kind) -> anyhow::Result<Vec<(u64, Vec<u8>)>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(kind.table())?;
+        let mut out = Vec::new();
+        for row in table.iter()? {
+            let (_, v) = row?;
+            let v = v.value();
+            if v.len() < 8 {
+                continue;
+            }
+            let (time, signed) = v.split_at(8);
+            let mut t = [0u8; 8];
+            t.copy_from_slice(time);
+            out.push((u64::from_le_bytes(t), signed.to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// Keeps a verified bid for one of this node's offers.
+    pub fn put_bid(&self, id: &[u8], signed: &[u8]) -> anyhow::Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(BIDS)?.insert(id, signed)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Every kept bid, as signed bytes.
+    pub fn bids(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(BIDS)?;
+        table
+            .iter()?
+            .map(|row| Ok(row?.1.value().to_vec()))
+            .collect()
+    }
+
+    /// The next value of counter `name`: above every value it returned before (durably),
+    /// and at least `floor`.
+    pub fn next_seq(&self, name: &str, floor: u64) -> anyhow::Result<u64> {
+        let txn = self.db.begin_write()?;
+        let next = {
+            let mut table = txn.open_table(COUNTERS)?;
+            let last = table.get(name)?.map(|v| v.value()).unwrap_or(0);
+            let next = last.saturating_add(1).max(floor);
+            table.insert(name, next)?;
+            next
+        };
+        txn.commit()?;
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.redb");
+        {
+            let s = Store::open(&path).unwrap();
+            s.put(Kind::Offer, b"job", 7, b"signed").unwrap();
+            s.put(Kind::Ad, b"node", 8, b"ad").unwrap();
+            assert_eq!(s.next_seq("ad", 0).unwrap(), 1);
+            assert_eq!(s.next_seq("ad", 0).unwrap(), 2);
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.load(Kind::Offer).unwrap(), vec![(7, b"signed".to_vec())]);
+        assert_eq!(s.next_seq("ad", 0).unwrap(), 3);
+        assert_eq!(s.next_seq("ad", 100).unwrap(), 100);
+        s.remove(Kind::Offer, b"job").unwrap();
+        assert!(s.load(Kind::Offer).unwrap().is_empty());
+        assert_eq!(s.load(Kind::Ad).unwrap().len(), 1);
+    }
+}

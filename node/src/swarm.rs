@@ -1,0 +1,38 @@
+//! The libp2p side of the node: the behaviour, the directed protocols' codec, the topics.
+
+mod behaviour;
+mod codec;
+mod topics;
+
+pub use behaviour::{
+    Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, KAD_PROTOCOL, MARKET_PROTOCOL, MAX_TRANSMIT_SIZE,
+    SYNC_PROTOCOL, address_of, peer_of,
+};
+pub use codec::Codec;
+pub use topics::{Topic, peer_score};
+
+use std::time::Duration;
+
+use libp2p::{Swarm, identity, noise, tcp, yamux};
+
+use crate::config::NodeConfig;
+
+/// Builds the swarm: TCP and QUIC, Noise, Yamux, DNS, relay client, and the behaviour.
+pub fn build(key: identity::Keypair, config: &NodeConfig) -> anyhow::Result<Swarm<Behaviour>> {
+    let idle = Duration::from_secs(config.limits.idle_connection_timeout_secs);
+    let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )?
+        .with_quic()
+        .with_dns()?
+        .with_relay_client(noise::Config::new, yamux::Config::default)?
+        .with_behaviour(|key, relay_client| Behaviour::new(key, relay_client, config))
+        .map_err(|e| anyhow::anyhow!("building the swarm behaviour: {e}"))?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+        .build();
+    Ok(swarm)
+}

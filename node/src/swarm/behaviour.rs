@@ -1,0 +1,160 @@
+//! The node's libp2p behaviour: everything the swarm speaks, in one place.
+
+use std::time::Duration;
+
+use cannabis_protocol::{MarketRequest, MarketResponse, SyncRequest, SyncResponse, Wire as _};
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::swarm::behaviour::toggle::Toggle;
+use libp2p::{
+    PeerId, StreamProtocol, autonat, connection_limits, dcutr, gossipsub, identify, identity, kad,
+    mdns, ping, relay, request_response,
+};
+
+use super::codec::Codec;
+use super::topics::{self, Topic};
+use crate::config::NodeConfig;
+
+/// Protocol id of the market protocol (bids, awards, leases, cancellation, ping).
+pub const MARKET_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/market/1");
+/// Protocol id of the sync protocol (a late joiner's copy of the live market).
+pub const SYNC_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/sync/1");
+/// Kademlia protocol name (our own, not the IPFS DHT).
+pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/kad/1.0.0");
+/// Identify protocol version.
+pub const IDENTIFY_PROTOCOL: &str = "/cannabis/id/1.0.0";
+
+/// Largest gossip message: the biggest gossiped type (a block) plus its envelope.
+pub const MAX_TRANSMIT_SIZE: usize =
+    cannabis_protocol::Block::MAX_SIZE + cannabis_protocol::ENVELOPE_OVERHEAD + 1024;
+
+/// Everything the swarm speaks.
+#[derive(NetworkBehaviour)]
+pub struct Behaviour {
+    pub(crate) limits: connection_limits::Behaviour,
+    pub(crate) gossipsub: gossipsub::Behaviour,
+    pub(crate) kad: kad::Behaviour<kad::store::MemoryStore>,
+    pub(crate) identify: identify::Behaviour,
+    pub(crate) ping: ping::Behaviour,
+    pub(crate) mdns: Toggle<mdns::tokio::Behaviour>,
+    pub(crate) autonat: autonat::Behaviour,
+    pub(crate) relay_client: relay::client::Behaviour,
+    pub(crate) relay_server: Toggle<relay::Behaviour>,
+    pub(crate) dcutr: dcutr::Behaviour,
+    pub(crate) market: request_response::Behaviour<Codec<MarketRequest, MarketResponse>>,
+    pub(crate) sync: request_response::Behaviour<Codec<SyncRequest, SyncResponse>>,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl Behaviour {
+    pub(crate) fn new(
+        key: &identity::Keypair,
+        relay_client: relay::client::Behaviour,
+        config: &NodeConfig,
+    ) -> Result<Self, BoxError> {
+        let peer_id = key.public().to_peer_id();
+        let limits = connection_limits::ConnectionLimits::default()
+            .with_max_established(Some(config.limits.max_established))
+            .with_max_established_per_peer(Some(config.limits.max_established_per_peer))
+            .with_max_pending_incoming(Some(config.limits.max_pending_incoming))
+            .with_max_pending_outgoing(Some(config.limits.max_pending_outgoing));
+
+        let mut gossipsub = gossipsub::Behaviour::new(
+            gossipsub::MessageAuthenticity::Signed(key.clone()),
+            gossip_config(config)?,
+        )?;
+        let (params, thresholds) = topics::peer_score(config.gossip.ip_colocation_threshold);
+        gossipsub.with_peer_score(params, thresholds)?;
+        for topic in Topic::ALL {
+            gossipsub.subscribe(&topic.ident())?;
+        }
+
+        let mut kad = kad::Behaviour::with_config(
+            peer_id,
+            kad::store::MemoryStore::new(peer_id),
+            kad::Config::new(KAD_PROTOCOL),
+        );
+        kad.set_mode(Some(kad::Mode::Server));
+
+        let identify = identify::Behaviour::new(
+            identify::Config::new(IDENTIFY_PROTOCOL.into(), key.public())
+                .with_agent_version(format!("cannabis/{}", env!("CARGO_PKG_VERSION"))),
+        );
+        let mdns = if config.mdns {
+            Some(mdns::tokio::Behaviour::new(
+                mdns::Config::default(),
+                peer_id,
+            )?)
+        } else {
+            None
+        };
+        let relay_server = config
+            .relay_server
+            .then(|| relay::Behaviour::new(peer_id, relay::Config::default()));
+        let rr_config = request_response::Config::default()
+            .with_request_timeout(Duration::from_secs(config.limits.request_timeout_secs));
+        Ok(Self {
+            limits: connection_limits::Behaviour::new(limits),
+            gossipsub,
+            kad,
+            identify,
+            ping: ping::Behaviour::new(ping::Config::new()),
+            mdns: mdns.into(),
+            autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+            relay_client,
+            relay_server: relay_server.into(),
+            dcutr: dcutr::Behaviour::new(peer_id),
+            market: request_response::Behaviour::with_codec(
+                Codec::default(),
+                [(MARKET_PROTOCOL, request_response::ProtocolSupport::Full)],
+                rr_config.clone(),
+            ),
+            sync: request_response::Behaviour::with_codec(
+                Codec::default(),
+                [(SYNC_PROTOCOL, request_response::ProtocolSupport::Full)],
+                rr_config,
+            ),
+        })
+    }
+}
+
+fn gossip_config(config: &NodeConfig) -> Result<gossipsub::Config, BoxError> {
+    // Mesh sizes: checked here because the builder does not check
+    // mesh_outbound_min <= mesh_n_low <= mesh_n <= mesh_n_high.
+    let (outbound_min, low, n, high) = (2, 4, 6, 12);
+    if !(outbound_min <= low && low <= n && n <= high) {
+        return Err("gossip mesh sizes out of order".into());
+    }
+    Ok(gossipsub::ConfigBuilder::default()
+        .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
+        .validation_mode(gossipsub::ValidationMode::Strict)
+        .validate_messages()
+        .message_id_fn(|m: &gossipsub::Message| {
+            gossipsub::MessageId::from(cannabis_protocol::Digest::of(&m.data).0.to_vec())
+        })
+        .max_transmit_size(MAX_TRANSMIT_SIZE)
+        .flood_publish(true)
+        .duplicate_cache_time(Duration::from_secs(120))
+        .mesh_outbound_min(outbound_min)
+        .mesh_n_low(low)
+        .mesh_n(n)
+        .mesh_n_high(high)
+        .build()?)
+}
+
+/// The address of a peer whose key is an ed25519 key (every cannabis node's is).
+pub fn address_of(peer: &PeerId) -> Option<cannabis_protocol::Address> {
+    let mh: &libp2p::multihash::Multihash<64> = peer.as_ref();
+    if mh.code() != 0 {
+        return None;
+    }
+    let key = identity::PublicKey::try_decode_protobuf(mh.digest()).ok()?;
+    let key = key.try_into_ed25519().ok()?;
+    cannabis_protocol::Address::from_public_key(key.to_bytes()).ok()
+}
+
+/// The peer id of a node address.
+pub fn peer_of(address: &cannabis_protocol::Address) -> Option<PeerId> {
+    let key = identity::ed25519::PublicKey::try_from_bytes(address.public_key()).ok()?;
+    Some(identity::PublicKey::from(key).to_peer_id())
+}

@@ -1,0 +1,91 @@
+//! Frames of the directed (request-response) protocols: what two peers say to each other
+//! about one job, and how a node that joins late learns the live market.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Award, Bid, Cancel, CapabilityAd, Decline, JobOffer, LeaseAccept, LeaseRenewal, wire};
+use crate::{Address, Signed, Uuid};
+
+/// A request of the market protocol (`/cannabis/market/1`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum MarketRequest {
+    /// A worker's bid, to the requester.
+    Bid(Signed<Bid>),
+    /// A worker's signed reason for not bidding, to the requester.
+    Decline(Signed<Decline>),
+    /// A lease grant, to the worker.
+    Award(Signed<Award>),
+    /// The worker's countersignature, to the requester.
+    LeaseAccept(Signed<LeaseAccept>),
+    /// A lease extension, to the worker.
+    LeaseRenewal(Signed<LeaseRenewal>),
+    /// A cancellation, to every rank.
+    Cancel(Signed<Cancel>),
+    /// A round-trip probe; answered with the same nonce.
+    Ping {
+        /// Echoed back.
+        nonce: u64,
+    },
+}
+
+/// The answer to a [`MarketRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum MarketResponse {
+    /// Received, verified and recorded.
+    Ack,
+    /// Refused, with the reason.
+    Refused {
+        /// What was wrong.
+        reason: String,
+    },
+    /// Answer to a ping.
+    Pong {
+        /// The request's nonce.
+        nonce: u64,
+    },
+}
+
+/// A request of the sync protocol (`/cannabis/sync/1`): one page of the live market, in
+/// key order, after a cursor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncRequest {
+    /// Capability ads of nodes whose address sorts after `after`.
+    Ads {
+        /// Cursor: the last address of the previous page.
+        after: Option<Address>,
+    },
+    /// Open offers whose job id sorts after `after`.
+    Offers {
+        /// Cursor: the last job id of the previous page.
+        after: Option<Uuid>,
+    },
+}
+
+/// One page of the live market. Every item is checked by the receiver exactly like gossip.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct SyncResponse {
+    /// Signed capability ads (for an `ads` request).
+    pub ads: Vec<Signed<CapabilityAd>>,
+    /// Signed offers (for an `offers` request).
+    #[cfg_attr(
+        feature = "arbitrary",
+        proptest(
+            strategy = "proptest::collection::vec(proptest::arbitrary::any::<Signed<JobOffer>>(), 0..3)"
+        )
+    )]
+    pub offers: Vec<Signed<JobOffer>>,
+    /// Whether another page follows.
+    pub more: bool,
+}
+
+wire!(MarketRequest, "market request", 64 * 1024 + 512);
+wire!(MarketResponse, "market response", 4 * 1024);
+wire!(SyncRequest, "sync request", 512);
+wire!(SyncResponse, "sync response", 4 * 1024 * 1024);

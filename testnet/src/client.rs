@@ -1,0 +1,152 @@
+//! A blocking client of a node's local API, found through the node's data directory
+//! (`node.json` says where the API listens, `api.token` holds the token).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use cannabis_market::api;
+use serde::de::DeserializeOwned;
+
+/// A client of one node's local API.
+#[derive(Clone)]
+pub struct ApiClient {
+    base: String,
+    token: String,
+    agent: ureq::Agent,
+}
+
+/// What a node writes to `node.json` in its data directory once it listens.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct NodeInfo {
+    /// libp2p peer id.
+    pub peer_id: String,
+    /// `cpc1...` address.
+    pub address: String,
+    /// Swarm listen addresses.
+    pub listen_addrs: Vec<String>,
+    /// Local API address.
+    pub api: Option<String>,
+    /// Process id.
+    pub pid: u32,
+}
+
+impl NodeInfo {
+    /// Reads `node.json` from a data directory.
+    pub fn read(data_dir: &Path) -> anyhow::Result<NodeInfo> {
+        let path = data_dir.join("node.json");
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "reading {} (is a node running with --data-dir {}? start one with `cannabis node run`)",
+                path.display(),
+                data_dir.display()
+            )
+        })?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+}
+
+impl ApiClient {
+    /// A client for `http://{api}` with `token`.
+    pub fn new(api: &str, token: &str) -> Self {
+        let agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_secs(60)))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        Self {
+            base: format!("http://{api}"),
+            token: token.to_string(),
+            agent,
+        }
+    }
+
+    /// The client of the node whose data directory is `data_dir`.
+    pub fn from_data_dir(data_dir: &Path) -> anyhow::Result<Self> {
+        let info = NodeInfo::read(data_dir)?;
+        let api = info
+            .api
+            .context("the node's local API is not listening (node.json has no api)")?;
+        let token_path = data_dir.join("api.token");
+        let token = std::fs::read_to_string(&token_path)
+            .with_context(|| format!("reading the API token {}", token_path.display()))?;
+        Ok(Self::new(&api, token.trim()))
+    }
+
+    fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        let response = self
+            .agent
+            .get(format!("{}{path}", self.base))
+            .header("Authorization", format!("Bearer {}", self.token))
+            .call()
+            .with_context(|| format!("calling the node's API at {}", self.base))?;
+        Self::read(response, path)
+    }
+
+    fn post<B: serde::Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> anyhow::Result<T> {
+        let response = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .header("Authorization", format!("Bearer {}", self.token))
+            .send_json(body)
+            .with_context(|| format!("calling the node's API at {}", self.base))?;
+        Self::read(response, path)
+    }
+
+    fn read<T: DeserializeOwned>(
+        mut response: ureq::http::Response<ureq::Body>,
+        path: &str,
+    ) -> anyhow::Result<T> {
+        let status = response.status();
+        if !status.is_success() {
+            let body: Result<api::ApiError, _> = response.body_mut().read_json();
+            match body {
+                Ok(e) => anyhow::bail!("{path}: {}", e.error),
+                Err(_) => anyhow::bail!("{path}: HTTP {status}"),
+            }
+        }
+        response
+            .body_mut()
+            .read_json()
+            .with_context(|| format!("reading the answer to {path}"))
+    }
+
+    /// `GET /v1/status`
+    pub fn status(&self) -> anyhow::Result<api::Status> {
+        self.get("/v1/status")
+    }
+
+    /// `GET /v1/peers`
+    pub fn peers(&self) -> anyhow::Result<Vec<api::Peer>> {
+        self.get("/v1/peers")
+    }
+
+    /// `GET /v1/market/ads`
+    pub fn ads(&self) -> anyhow::Result<Vec<api::Ad>> {
+        self.get("/v1/market/ads")
+    }
+
+    /// `GET /v1/market/offers`
+    pub fn offers(&self) -> anyhow::Result<Vec<api::Offer>> {
+        self.get("/v1/market/offers")
+    }
+
+    /// `GET /v1/market/bids`
+    pub fn bids(&self) -> anyhow::Result<Vec<api::ReceivedBid>> {
+        self.get("/v1/market/bids")
+    }
+
+    /// `POST /v1/offers`
+    pub fn publish_offer(&self, template: &api::OfferTemplate) -> anyhow::Result<api::Published> {
+        self.post("/v1/offers", template)
+    }
+
+    /// `POST /v1/peers/{peer}/ping?count=N`
+    pub fn ping(&self, peer: &str, count: u32) -> anyhow::Result<api::PingReport> {
+        self.post(&format!("/v1/peers/{peer}/ping?count={count}"), &())
+    }
+}

@@ -1,0 +1,343 @@
+//! Starts N real `cannabis node` processes on loopback, each with its own data directory,
+//! bootstrapped to the first; stops them; finds a running testnet again from its directory.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::client::{ApiClient, NodeInfo};
+
+/// How to start a testnet.
+#[derive(Clone, Debug)]
+pub struct TestnetOptions {
+    /// The `cannabis` binary.
+    pub binary: PathBuf,
+    /// Directory holding `node-0`, `node-1`, ... and `testnet.json`.
+    pub dir: PathBuf,
+    /// Number of nodes.
+    pub nodes: usize,
+    /// How long each node may take to come up.
+    pub ready_timeout: Duration,
+}
+
+/// One running node process.
+pub struct NodeProc {
+    /// Position in the testnet.
+    pub index: usize,
+    /// Its data directory.
+    pub data_dir: PathBuf,
+    /// What it wrote to `node.json`.
+    pub info: NodeInfo,
+    /// Its API client.
+    pub client: ApiClient,
+    child: Option<Child>,
+}
+
+/// `testnet.json`: what `cannabis testnet down` needs to stop a testnet.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    nodes: Vec<RecordNode>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct RecordNode {
+    pid: u32,
+    data_dir: PathBuf,
+    api: String,
+    peer_id: String,
+}
+
+/// A running testnet. Dropping it stops the nodes.
+pub struct Testnet {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The nodes, node 0 first.
+    pub nodes: Vec<NodeProc>,
+}
+
+impl Testnet {
+    /// Starts the nodes: node 0 first, then every other node bootstrapped to it.
+    pub fn up(opts: &TestnetOptions) -> anyhow::Result<Testnet> {
+        anyhow::ensure!(opts.nodes >= 1, "a testnet needs at least one node");
+        fs::create_dir_all(&opts.dir)
+            .with_context(|| format!("creating {}", opts.dir.display()))?;
+        let record = opts.dir.join("testnet.json");
+        if record.exists() && !live_pids(&opts.dir)?.is_empty() {
+            bail!(
+                "a testnet is already running in {}; stop it with `cannabis testnet down --dir {}`",
+                opts.dir.display(),
+                opts.dir.display()
+            );
+        }
+        let mut net = Testnet {
+            dir: opts.dir.clone(),
+            nodes: Vec::new(),
+        };
+        let first = spawn(opts, 0, None)?;
+        let tcp = first
+            .info
+            .listen_addrs
+            .iter()
+            .find(|a| a.contains("/tcp/"))
+            .context("node 0 listens on no TCP address")?;
+        let bootstrap = format!("{tcp}/p2p/{}", first.info.peer_id);
+        net.nodes.push(first);
+        // Start the rest together, then wait for each.
+        let mut starting = Vec::new();
+        for i in 1..opts.nodes {
+            starting.push(start_process(opts, i, Some(&bootstrap))?);
+        }
+        for (i, (data_dir, child)) in starting.into_iter().enumerate() {
+            let node = wait_ready(i + 1, data_dir, child, opts.ready_timeout)?;
+            net.nodes.push(node);
+        }
+        net.write_record()?;
+        Ok(net)
+    }
+
+    fn write_record(&self) -> anyhow::Result<()> {
+        let record = Record {
+            nodes: self
+                .nodes
+                .iter()
+                .map(|n| RecordNode {
+                    pid: n.info.pid,
+                    data_dir: n.data_dir.clone(),
+                    api: n.info.api.clone().unwrap_or_default(),
+                    peer_id: n.info.peer_id.clone(),
+                })
+                .collect(),
+        };
+        let path = self.dir.join("testnet.json");
+        fs::write(&path, serde_json::to_string_pretty(&record)?)
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// Waits until every node holds every node's capability ad and has a gossip mesh:
+    /// the network is connected end to end.
+    pub fn wait_converged(&self, timeout: Duration) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let n = self.nodes.len();
+        loop {
+            let mut done = true;
+            for node in &self.nodes {
+                let status = node.client.status()?;
+                let meshed = n == 1 || status.mesh_peers.iter().all(|t| t.peers > 0);
+                if status.ads < n || !meshed {
+                    done = false;
+                    break;
+                }
+            }
+            if done {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                let seen: Vec<usize> = self
+                    .nodes
+                    .iter()
+                    .map(|n| n.client.status().map(|s| s.ads).unwrap_or(0))
+                    .collect();
+                bail!(
+                    "the testnet did not converge within {timeout:?}: ads seen per node {seen:?}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stops every node: SIGTERM, then SIGKILL after five seconds.
+    pub fn stop(&mut self) {
+        for node in &self.nodes {
+            let _ = kill(Pid::from_raw(node.info.pid as i32), Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for node in &mut self.nodes {
+            if let Some(child) = node.child.as_mut() {
+                loop {
+                    match child.try_wait() {
+                        Ok(Some(_)) | Err(_) => break,
+                        Ok(None) if Instant::now() > deadline => {
+                            let _ = child.kill();
+                            let _ = child.wait();
+                            break;
+                        }
+                        Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            }
+        }
+        self.nodes.clear();
+        let _ = fs::remove_file(self.dir.join("testnet.json"));
+    }
+
+    /// Resident memory of each node process, in KiB (from `/proc/<pid>/status`).
+    pub fn rss_kib(&self) -> Vec<u64> {
+        self.nodes.iter().map(|n| rss_kib(n.info.pid)).collect()
+    }
+}
+
+impl Drop for Testnet {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Stops the testnet recorded in `dir` (from another process than the one that started
+/// it). Returns how many nodes were signalled.
+pub fn down(dir: &Path) -> anyhow::Result<usize> {
+    let pids = live_pids(dir)?;
+    for pid in &pids {
+        let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && pids.iter().any(|p| alive(*p)) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for pid in &pids {
+        if alive(*pid) {
+            let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+        }
+    }
+    let _ = fs::remove_file(dir.join("testnet.json"));
+    Ok(pids.len())
+}
+
+/// Pids from `testnet.json` that still run a node of this testnet (the command line names
+/// the node's data directory, so a reused pid is never signalled).
+fn live_pids(dir: &Path) -> anyhow::Result<Vec<u32>> {
+    let path = dir.join("testnet.json");
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let record: Record =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(record
+        .nodes
+        .iter()
+        .filter(|n| {
+            fs::read(format!("/proc/{}/cmdline", n.pid))
+                .map(|c| {
+                    let cmd = String::from_utf8_lossy(&c).replace('\0', " ");
+                    cmd.contains(&*n.data_dir.to_string_lossy())
+                })
+                .unwrap_or(false)
+        })
+        .map(|n| n.pid)
+        .collect())
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.contains(") Z "))
+            .unwrap_or(true)
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn spawn(opts: &TestnetOptions, index: usize, bootstrap: Option<&str>) -> anyhow::Result<NodeProc> {
+    let (data_dir, child) = start_process(opts, index, bootstrap)?;
+    wait_ready(index, data_dir, child, opts.ready_timeout)
+}
+
+fn start_process(
+    opts: &TestnetOptions,
+    index: usize,
+    bootstrap: Option<&str>,
+) -> anyhow::Result<(PathBuf, Child)> {
+    let data_dir = opts.dir.join(format!("node-{index}"));
+    fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    if !data_dir.join("keys/node.key").exists() {
+        let out = Command::new(&opts.binary)
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .args(["keys", "new"])
+            .output()
+            .with_context(|| format!("running {}", opts.binary.display()))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "creating keys for node {index}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = fs::remove_file(data_dir.join("node.json"));
+    let log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(data_dir.join("node.log"))
+        .context("opening the node log")?;
+    let mut cmd = Command::new(&opts.binary);
+    cmd.arg("--data-dir")
+        .arg(&data_dir)
+        .args(["node", "run", "--testnet", "--no-mdns"])
+        .args(["--listen", "/ip4/127.0.0.1/tcp/0"])
+        .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
+        .args(["--api", "127.0.0.1:0"]);
+    if let Some(b) = bootstrap {
+        cmd.args(["--bootstrap", b]);
+    }
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting node {index}"))?;
+    Ok((data_dir, child))
+}
+
+fn wait_ready(
+    index: usize,
+    data_dir: PathBuf,
+    mut child: Child,
+    timeout: Duration,
+) -> anyhow::Result<NodeProc> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "node {index} exited with {status} while starting; see {}",
+                data_dir.join("node.log").display()
+            );
+        }
+        if let Ok(info) = NodeInfo::read(&data_dir)
+            && info.api.is_some()
+            && info.listen_addrs.iter().any(|a| a.contains("/tcp/"))
+            && let Ok(client) = ApiClient::from_data_dir(&data_dir)
+            && client.status().is_ok()
+        {
+            return Ok(NodeProc {
+                index,
+                data_dir,
+                info,
+                client,
+                child: Some(child),
+            });
+        }
+        if started.elapsed() > timeout {
+            let _ = child.kill();
+            bail!(
+                "node {index} was not ready within {timeout:?}; see {}",
+                data_dir.join("node.log").display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
