@@ -185,6 +185,19 @@ fn version_and_help_on_every_command() {
     );
     for cmd in [
         vec![],
+        vec!["node"],
+        vec!["node", "run"],
+        vec!["node", "status"],
+        vec!["node", "peers"],
+        vec!["node", "ping"],
+        vec!["market"],
+        vec!["market", "ads"],
+        vec!["market", "offers"],
+        vec!["market", "bids"],
+        vec!["testnet"],
+        vec!["testnet", "up"],
+        vec!["testnet", "down"],
+        vec!["testnet", "bench"],
         vec!["keys"],
         vec!["keys", "new"],
         vec!["keys", "show"],
@@ -208,4 +221,114 @@ fn unknown_commands_fail_with_usage() {
     let o = cannabis(dir.path(), &["frobnicate"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("Usage"), "{}", stderr(&o));
+}
+
+fn pid_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
+}
+
+fn node_pids(dir: &Path) -> Vec<u32> {
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("testnet.json")).unwrap()).unwrap();
+    record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["pid"].as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn testnet_up_runs_real_nodes_and_down_and_ctrl_c_stop_them() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let net = dir.path().join("net");
+    let up = || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+            .args(["testnet", "up", "--nodes", "3", "--dir"])
+            .arg(&net)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut apis = 0;
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if line.contains("127.0.0.1:") {
+                apis += 1;
+            }
+            if line.contains("Ctrl-C") {
+                break;
+            }
+        }
+        assert_eq!(apis, 3, "testnet up printed {apis} API addresses");
+        child
+    };
+
+    // Up: three processes whose APIs answer and which find each other.
+    let mut child = up();
+    let pids = node_pids(&net);
+    assert_eq!(pids.len(), 3);
+    assert!(pids.iter().all(|p| pid_alive(*p)));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let o = cannabis(&net.join("node-2"), &["market", "ads", "--json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let ads: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        if ads.as_array().unwrap().len() == 3 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 2 never saw 3 ads: {ads}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let status = cannabis(&net.join("node-1"), &["node", "status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert!(status["connected_peers"].as_u64().unwrap() >= 1, "{status}");
+
+    // Down, from another process, stops every node.
+    let down = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .args(["testnet", "down", "--dir"])
+        .arg(&net)
+        .output()
+        .unwrap();
+    assert!(down.status.success(), "{}", stderr(&down));
+    assert!(
+        stdout(&down).contains("stopped 3 nodes"),
+        "{}",
+        stdout(&down)
+    );
+    assert!(
+        pids.iter().all(|p| !pid_alive(*p)),
+        "nodes survived testnet down"
+    );
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+
+    // Ctrl-C on `testnet up` stops its nodes too.
+    let mut child = up();
+    let pids = node_pids(&net);
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    assert!(pids.iter().all(|p| !pid_alive(*p)), "nodes survived Ctrl-C");
+    assert!(!net.join("testnet.json").exists());
+}
+
+#[test]
+fn node_commands_without_a_running_node_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(dir.path(), &["node", "status"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannabis node run"), "{}", stderr(&o));
 }

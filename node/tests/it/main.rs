@@ -1,3 +1,6 @@
-//! Tests of the `cannabis` binary, run as a user runs it.
+//! Tests of the node: the `cannabis` binary as a user runs it, and real swarms on loopback.
 
 mod cli;
+mod hostile;
+mod net;
+mod swarm;

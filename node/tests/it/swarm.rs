@@ -1,0 +1,215 @@
+//! Real swarms on loopback: gossip reaches every node, late joiners catch up through sync,
+//! expiry is everywhere, bids reach the requester, and a restart keeps the live market.
+
+use std::time::Duration;
+
+use cannabis_protocol::{Bid, Keypair, MarketRequest, MarketResponse, Signed, Timestamp};
+
+use crate::net::{self, TestNode, wait_for};
+
+async fn sees_offer(node: &TestNode, job: &str) -> bool {
+    node.handle
+        .offers()
+        .await
+        .map(|o| o.iter().any(|o| o.job_id == job))
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_nodes_share_ads_and_offers_and_a_late_node_catches_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = net::start(&dir.path().join("n0"), None).await;
+    let mut nodes = vec![first];
+    for i in 1..5 {
+        let boot = nodes[0].addr.clone();
+        nodes.push(net::start(&dir.path().join(format!("n{i}")), Some(&boot)).await);
+    }
+    let refs: Vec<&TestNode> = nodes.iter().collect();
+    // Every node's own capability ad reached every node.
+    net::wait_converged(&refs, 5).await;
+
+    // An offer published on node 3 reaches all the others.
+    let published = nodes[3]
+        .handle
+        .publish_offer(net::offer(4_000))
+        .await
+        .unwrap();
+    for (i, n) in nodes.iter().enumerate() {
+        wait_for(
+            Duration::from_secs(10),
+            &format!("node {i} to see the offer"),
+            || async { sees_offer(n, &published.job_id).await.then_some(()) },
+        )
+        .await;
+    }
+    let long = nodes[1]
+        .handle
+        .publish_offer(net::offer(120_000))
+        .await
+        .unwrap();
+
+    // A node started later (bootstrapped to node 2) learns the live offers through sync.
+    let late = net::start(&dir.path().join("late"), Some(&nodes[2].addr)).await;
+    wait_for(
+        Duration::from_secs(10),
+        "the late node to learn the live offers",
+        || async {
+            (sees_offer(&late, &published.job_id).await && sees_offer(&late, &long.job_id).await)
+                .then_some(())
+        },
+    )
+    .await;
+    let late_ads = late.handle.status().await.unwrap().ads;
+    assert!(late_ads >= 5, "late node holds {late_ads} ads");
+
+    // The short offer expires everywhere (4 s after it was made); the long one stays.
+    for (i, n) in nodes.iter().chain([&late]).enumerate() {
+        wait_for(
+            Duration::from_secs(10),
+            &format!("node {i} to drop the expired offer"),
+            || async { (!sees_offer(n, &published.job_id).await).then_some(()) },
+        )
+        .await;
+        assert!(
+            sees_offer(n, &long.job_id).await,
+            "node {i} lost the live offer"
+        );
+    }
+
+    late.stop().await;
+    for n in nodes {
+        n.stop().await;
+    }
+}
+
+fn bid(worker: &Keypair, job: &str, offer_id: &str, task: u32) -> Signed<Bid> {
+    let now = Timestamp(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64,
+    );
+    Signed::sign(
+        worker,
+        &Bid {
+            job_id: job.parse().unwrap(),
+            task,
+            offer: offer_id.parse().unwrap(),
+            worker: worker.address(),
+            price: cannabis_protocol::Amount(900),
+            earliest_start: now,
+            issued_at: now,
+            valid_until: now.plus_ms(60_000),
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bid_reaches_the_requester_and_bad_bids_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let requester = net::start(&dir.path().join("req"), None).await;
+    let worker = net::start(&dir.path().join("work"), Some(&requester.addr)).await;
+    net::wait_converged(&[&requester, &worker], 2).await;
+    let offer = requester
+        .handle
+        .publish_offer(net::offer(60_000))
+        .await
+        .unwrap();
+    wait_for(
+        Duration::from_secs(10),
+        "the worker to see the offer",
+        || async { sees_offer(&worker, &offer.job_id).await.then_some(()) },
+    )
+    .await;
+
+    let worker_keys = cannabis_node::keystore::load(&cannabis_node::keystore::KeyPaths::new(
+        &dir.path().join("work"),
+    ))
+    .unwrap()
+    .signing;
+    let good = bid(&worker_keys, &offer.job_id, &offer.id, 0);
+    let answer = worker
+        .handle
+        .market(requester.handle.peer_id(), MarketRequest::Bid(good.clone()))
+        .await
+        .unwrap();
+    assert_eq!(answer, MarketResponse::Ack);
+    let bids = requester.handle.bids().await.unwrap();
+    assert_eq!(bids.len(), 1);
+    assert_eq!(bids[0].worker, worker_keys.address().to_string());
+    assert_eq!(bids[0].id, good.id().to_string());
+
+    // A bid for a task the offer does not have, and one for an unknown job.
+    let no_task = bid(&worker_keys, &offer.job_id, &offer.id, 7);
+    let unknown = bid(
+        &worker_keys,
+        "550e8400-e29b-41d4-a716-446655440000",
+        &offer.id,
+        0,
+    );
+    for (b, why) in [(no_task, "no task 7"), (unknown, "no open offer")] {
+        match worker
+            .handle
+            .market(requester.handle.peer_id(), MarketRequest::Bid(b))
+            .await
+            .unwrap()
+        {
+            MarketResponse::Refused { reason } => assert!(reason.contains(why), "{reason}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    // A bid to a node that did not publish the offer is refused too.
+    match requester
+        .handle
+        .market(
+            worker.handle.peer_id(),
+            MarketRequest::Bid(bid(&worker_keys, &offer.job_id, &offer.id, 0)),
+        )
+        .await
+        .unwrap()
+    {
+        MarketResponse::Refused { reason } => {
+            assert!(reason.contains("not this node's"), "{reason}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(requester.handle.bids().await.unwrap().len(), 1);
+
+    // Round trips of the market protocol.
+    let ping = worker
+        .handle
+        .ping(requester.handle.peer_id(), 5)
+        .await
+        .unwrap();
+    assert_eq!(ping.rtt_us.len(), 5);
+
+    worker.stop().await;
+    requester.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_the_live_market() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("node");
+    let node = net::start(&path, None).await;
+    let kept = node
+        .handle
+        .publish_offer(net::offer(120_000))
+        .await
+        .unwrap();
+    let gone = node.handle.publish_offer(net::offer(1_500)).await.unwrap();
+    node.stop().await;
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+
+    let node = net::start(&path, None).await;
+    let offers = node.handle.offers().await.unwrap();
+    let ids: Vec<&str> = offers.iter().map(|o| o.job_id.as_str()).collect();
+    assert!(ids.contains(&kept.job_id.as_str()), "{ids:?}");
+    assert!(
+        !ids.contains(&gone.job_id.as_str()),
+        "an expired offer came back: {ids:?}"
+    );
+    // Its own ad came back too, and a new one supersedes it.
+    assert!(node.handle.status().await.unwrap().ads >= 1);
+    node.stop().await;
+}
