@@ -52,11 +52,6 @@ impl Node {
         let acceptance = match &verdict {
             Verdict::Accept(id) => {
                 debug!(peer = %propagation_source, %msg, id = %id, topic = ?topic, "gossip accepted");
-                match topic {
-                    Some(Topic::Ads) => self.keep_ad(&message.data, now_us),
-                    Some(Topic::Offers) => self.keep_offer(&message.data, now_us),
-                    _ => {}
-                }
                 MessageAcceptance::Accept
             }
             Verdict::Ignore(why) => {
@@ -68,10 +63,19 @@ impl Node {
                 MessageAcceptance::Reject
             }
         };
+        let accepted = matches!(acceptance, MessageAcceptance::Accept);
+        // Forward first, then persist: the store's fsync must not delay the next hop.
         self.swarm
             .behaviour_mut()
             .gossipsub
             .report_message_validation_result(&message_id, &propagation_source, acceptance);
+        if accepted {
+            match topic {
+                Some(Topic::Ads) => self.keep_ad(&message.data, now_us),
+                Some(Topic::Offers) => self.keep_offer(&message.data, now_us),
+                _ => {}
+            }
+        }
     }
 
     /// Persists an accepted ad (so a restart keeps it).
@@ -154,18 +158,19 @@ impl Node {
         };
         let signed = Signed::sign(&self.keys.signing, &offer);
         let id = signed.id();
-        self.publish(Topic::Offers, signed.to_bytes(), now_us)?;
+        let published_at_us = self.publish(Topic::Offers, signed.to_bytes(), now_us)?;
         info!(job = %offer.job_id, msg = %id, "offer published");
         Ok(api::Published {
             job_id: offer.job_id.to_string(),
             id: id.to_string(),
-            published_at_us: now_us,
+            published_at_us,
         })
     }
 
-    /// Puts our own message through the same checks as everyone's, keeps it, and gossips
-    /// it. Having no peers yet is fine: peers that connect later get it through sync.
-    fn publish(&mut self, topic: Topic, bytes: Vec<u8>, now_us: u64) -> anyhow::Result<()> {
+    /// Puts our own message through the same checks as everyone's, keeps it (durably), and
+    /// gossips it. Having no peers yet is fine: peers that connect later get it through
+    /// sync. Returns when it was handed to gossip, in µs since the epoch.
+    fn publish(&mut self, topic: Topic, bytes: Vec<u8>, now_us: u64) -> anyhow::Result<u64> {
         let me = self.address;
         let now_ms = cannabis_protocol::Timestamp(now_us / 1000);
         let verdict = match topic {
@@ -182,19 +187,17 @@ impl Node {
             Topic::Ads => self.keep_ad(&bytes, now_us),
             _ => self.keep_offer(&bytes, now_us),
         }
-        match self
+        let (_, handed_over_us) = now();
+        let published = self
             .swarm
             .behaviour_mut()
             .gossipsub
-            .publish(topic.ident(), bytes)
-        {
-            Ok(_) => Ok(()),
+            .publish(topic.ident(), bytes);
+        match published {
+            Ok(_) => Ok(handed_over_us),
             Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
-                debug!(
-                    ?topic,
-                    "no gossip peers yet; peers will get it through sync"
-                );
-                Ok(())
+                debug!(?topic, "no gossip peers yet; peers will get it through sync");
+                Ok(handed_over_us)
             }
             Err(e) => Err(anyhow::anyhow!("gossip publish failed: {e}")),
         }

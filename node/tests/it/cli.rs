@@ -223,6 +223,15 @@ fn unknown_commands_fail_with_usage() {
     assert!(stderr(&o).contains("Usage"), "{}", stderr(&o));
 }
 
+/// What Ctrl-C in a terminal sends.
+fn interrupt(child: &std::process::Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+}
+
 fn pid_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| !s.contains(") Z "))
@@ -307,19 +316,13 @@ fn testnet_up_runs_real_nodes_and_down_and_ctrl_c_stop_them() {
         pids.iter().all(|p| !pid_alive(*p)),
         "nodes survived testnet down"
     );
-    Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
+    interrupt(&child);
     assert!(child.wait().unwrap().success());
 
     // Ctrl-C on `testnet up` stops its nodes too.
     let mut child = up();
     let pids = node_pids(&net);
-    Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
+    interrupt(&child);
     assert!(child.wait().unwrap().success());
     assert!(pids.iter().all(|p| !pid_alive(*p)), "nodes survived Ctrl-C");
     assert!(!net.join("testnet.json").exists());
@@ -331,4 +334,92 @@ fn node_commands_without_a_running_node_say_so() {
     let o = cannabis(dir.path(), &["node", "status"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("cannabis node run"), "{}", stderr(&o));
+}
+
+#[test]
+fn node_run_logs_json_and_stops_cleanly_on_sigterm() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .args(["--log-format", "json", "node", "run", "--no-mdns"])
+        .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut started = None;
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        let entry: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        if entry["fields"]["message"] == "node started" {
+            started = Some(entry.clone());
+        }
+        if entry["fields"]["message"] == "local API listening" {
+            break;
+        }
+    }
+    let started = started.expect("a 'node started' line");
+    assert!(
+        started["fields"]["peer_id"].as_str().unwrap().starts_with("12D3Koo"),
+        "{started}"
+    );
+    // The identity was created on first run, and the CLI finds the running node.
+    let status = cannabis(dir.path(), &["node", "status", "--json"]);
+    assert!(status.status.success(), "{}", stderr(&status));
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(status["peer_id"], started["fields"]["peer_id"]);
+    assert_eq!(
+        std::fs::metadata(dir.path().join("api.token")).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(child.wait().unwrap().success());
+    assert!(!dir.path().join("node.json").exists());
+}
+
+#[test]
+fn the_local_api_refuses_requests_without_the_token() {
+    use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .args(["node", "run", "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0"])
+        .args(["--api", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        if line.unwrap().contains("local API listening") {
+            break;
+        }
+    }
+    let info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("node.json")).unwrap())
+            .unwrap();
+    let api = info["api"].as_str().unwrap();
+    for auth in ["", "Authorization: Bearer wrong\r\n"] {
+        let mut s = std::net::TcpStream::connect(api).unwrap();
+        write!(s, "GET /v1/status HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    }
+    // A non-loopback API address is refused before anything starts.
+    let o = cannabis(dir.path(), &["node", "run", "--api", "0.0.0.0:4999"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("loopback"), "{}", stderr(&o));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(child.wait().unwrap().success());
 }

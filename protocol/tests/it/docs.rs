@@ -79,6 +79,7 @@ fn protocol_doc_names_every_field_and_variant() {
     names_of::<Transaction>(&mut runner, &mut fields);
     names_of::<BlockHeader>(&mut runner, &mut fields);
     names_of::<Signed<Bid>>(&mut runner, &mut fields);
+    names_of::<SyncResponse>(&mut runner, &mut fields);
     variant_names::<AdapterKind>(&mut runner, &mut variants);
     variant_names::<GpuVendor>(&mut runner, &mut variants);
     variant_names::<Collective>(&mut runner, &mut variants);
@@ -89,6 +90,9 @@ fn protocol_doc_names_every_field_and_variant() {
     variant_names::<TaskInput>(&mut runner, &mut variants);
     variant_names::<TxPayload>(&mut runner, &mut variants);
     variant_names::<Outcome>(&mut runner, &mut variants);
+    variant_names::<MarketRequest>(&mut runner, &mut variants);
+    variant_names::<MarketResponse>(&mut runner, &mut variants);
+    variant_names::<SyncRequest>(&mut runner, &mut variants);
     assert!(fields.len() > 100, "collected only {} names", fields.len());
     assert!(
         variants.len() > 40,
