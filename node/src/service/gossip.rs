@@ -196,7 +196,10 @@ impl Node {
         match published {
             Ok(_) => Ok(handed_over_us),
             Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
-                debug!(?topic, "no gossip peers yet; peers will get it through sync");
+                debug!(
+                    ?topic,
+                    "no gossip peers yet; peers will get it through sync"
+                );
                 Ok(handed_over_us)
             }
             Err(e) => Err(anyhow::anyhow!("gossip publish failed: {e}")),

@@ -336,6 +336,20 @@ fn node_commands_without_a_running_node_say_so() {
     assert!(stderr(&o).contains("cannabis node run"), "{}", stderr(&o));
 }
 
+/// Waits for the `node.json` a node writes once its swarm listens.
+fn wait_node_json(data_dir: &Path) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(data_dir.join("node.json"))
+            && let Ok(info) = serde_json::from_str::<serde_json::Value>(&text)
+        {
+            return info;
+        }
+        assert!(std::time::Instant::now() < deadline, "no node.json");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn node_run_logs_json_and_stops_cleanly_on_sigterm() {
     use std::io::{BufRead as _, BufReader};
@@ -361,8 +375,12 @@ fn node_run_logs_json_and_stops_cleanly_on_sigterm() {
         }
     }
     let started = started.expect("a 'node started' line");
+    wait_node_json(dir.path());
     assert!(
-        started["fields"]["peer_id"].as_str().unwrap().starts_with("12D3Koo"),
+        started["fields"]["peer_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("12D3Koo"),
         "{started}"
     );
     // The identity was created on first run, and the CLI finds the running node.
@@ -371,7 +389,11 @@ fn node_run_logs_json_and_stops_cleanly_on_sigterm() {
     let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(status["peer_id"], started["fields"]["peer_id"]);
     assert_eq!(
-        std::fs::metadata(dir.path().join("api.token")).unwrap().permissions().mode() & 0o777,
+        std::fs::metadata(dir.path().join("api.token"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
         0o600
     );
 
@@ -391,7 +413,13 @@ fn the_local_api_refuses_requests_without_the_token() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
         .arg("--data-dir")
         .arg(dir.path())
-        .args(["node", "run", "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0"])
+        .args([
+            "node",
+            "run",
+            "--no-mdns",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ])
         .args(["--api", "127.0.0.1:0"])
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -401,13 +429,15 @@ fn the_local_api_refuses_requests_without_the_token() {
             break;
         }
     }
-    let info: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("node.json")).unwrap())
-            .unwrap();
+    let info = wait_node_json(dir.path());
     let api = info["api"].as_str().unwrap();
     for auth in ["", "Authorization: Bearer wrong\r\n"] {
         let mut s = std::net::TcpStream::connect(api).unwrap();
-        write!(s, "GET /v1/status HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").unwrap();
+        write!(
+            s,
+            "GET /v1/status HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
+        )
+        .unwrap();
         let mut answer = String::new();
         s.read_to_string(&mut answer).unwrap();
         assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");

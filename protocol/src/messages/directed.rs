@@ -72,6 +72,12 @@ pub enum SyncRequest {
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
 pub struct SyncResponse {
     /// Signed capability ads (for an `ads` request).
+    #[cfg_attr(
+        feature = "arbitrary",
+        proptest(
+            strategy = "proptest::collection::vec(proptest::arbitrary::any::<Signed<CapabilityAd>>(), 0..3)"
+        )
+    )]
     pub ads: Vec<Signed<CapabilityAd>>,
     /// Signed offers (for an `offers` request).
     #[cfg_attr(
