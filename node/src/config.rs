@@ -20,6 +20,10 @@ pub struct NodeConfig {
     pub mdns: bool,
     /// Act as a circuit relay for peers behind NAT.
     pub relay_server: bool,
+    /// Addresses other nodes can reach this one at, announced as they are (for a node
+    /// with a known public address). A relay without any announces its listen addresses:
+    /// a relay must be reachable to be of use.
+    pub external_addrs: Vec<Multiaddr>,
     /// Local API address. Keep it on loopback.
     pub api: SocketAddr,
     /// Connection limits.
@@ -73,6 +77,7 @@ impl Default for NodeConfig {
             bootstrap: Vec::new(),
             mdns: true,
             relay_server: false,
+            external_addrs: Vec::new(),
             api: SocketAddr::from(([127, 0, 0, 1], 4080)),
             limits: Limits::default(),
             gossip: Gossip::default(),

@@ -73,6 +73,8 @@ pub(crate) struct Node {
     api_addr: Option<std::net::SocketAddr>,
     pending: HashMap<OutboundRequestId, oneshot::Sender<anyhow::Result<MarketResponse>>>,
     ping_rtt: HashMap<PeerId, Duration>,
+    /// Remote addresses of each peer's open connections.
+    connections: HashMap<PeerId, Vec<(libp2p::swarm::ConnectionId, Multiaddr)>>,
     app_scores: HashMap<PeerId, f64>,
 }
 
@@ -94,6 +96,9 @@ pub async fn start(
             .listen_on(addr.clone())
             .with_context(|| format!("listening on {addr}"))?;
     }
+    for addr in &config.external_addrs {
+        swarm.add_external_address(addr.clone());
+    }
     let address = keys.signing.address();
     let peer_id = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(256);
@@ -109,6 +114,7 @@ pub async fn start(
         api_addr,
         pending: HashMap::new(),
         ping_rtt: HashMap::new(),
+        connections: HashMap::new(),
         app_scores: HashMap::new(),
     };
     node.restore()?;
@@ -291,7 +297,11 @@ impl Node {
             .map(|peer| api::Peer {
                 peer_id: peer.to_string(),
                 address: swarm::address_of(peer).map(|a| a.to_string()),
-                addrs: Vec::new(),
+                addrs: self
+                    .connections
+                    .get(peer)
+                    .map(|c| c.iter().map(|(_, a)| a.to_string()).collect())
+                    .unwrap_or_default(),
                 score: gossipsub.peer_score(peer).unwrap_or(0.0),
                 ping_us: self
                     .ping_rtt
@@ -323,28 +333,44 @@ impl Node {
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
                 info!(%address, "listening");
+                let relayed = address
+                    .iter()
+                    .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2pCircuit));
+                if self.config.relay_server && self.config.external_addrs.is_empty() && !relayed {
+                    self.swarm.add_external_address(address.clone());
+                }
                 self.write_info();
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
+                connection_id,
                 endpoint,
                 num_established,
                 ..
             } => {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                self.connections
+                    .entry(peer_id)
+                    .or_default()
+                    .push((connection_id, endpoint.get_remote_address().clone()));
                 if num_established.get() == 1 {
                     self.start_sync(peer_id);
                 }
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
+                connection_id,
                 num_established,
                 cause,
                 ..
             } => {
+                if let Some(c) = self.connections.get_mut(&peer_id) {
+                    c.retain(|(id, _)| *id != connection_id);
+                }
                 debug!(peer = %peer_id, remaining = num_established, cause = ?cause, "connection closed");
                 if num_established == 0 {
                     self.ping_rtt.remove(&peer_id);
+                    self.connections.remove(&peer_id);
                 }
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {

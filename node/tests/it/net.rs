@@ -54,9 +54,13 @@ pub(crate) async fn start_with(dir: &Path, config: NodeConfig) -> TestNode {
         }
     })
     .await;
-    let addr: Multiaddr = format!("{listen}/p2p/{}", handle.peer_id())
-        .parse()
-        .unwrap();
+    let mut addr: Multiaddr = listen.parse().unwrap();
+    if !matches!(
+        addr.iter().last(),
+        Some(libp2p::multiaddr::Protocol::P2p(_))
+    ) {
+        addr.push(libp2p::multiaddr::Protocol::P2p(handle.peer_id()));
+    }
     TestNode { handle, task, addr }
 }
 

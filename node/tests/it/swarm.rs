@@ -213,3 +213,77 @@ async fn a_restart_keeps_the_live_market() {
     assert!(node.handle.status().await.unwrap().ads >= 1);
     node.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_connect_over_quic() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = net::config(None);
+    config.listen = vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap()];
+    let a = net::start_with(&dir.path().join("a"), config.clone()).await;
+    assert!(a.addr.to_string().contains("/quic-v1/"), "{}", a.addr);
+    config.bootstrap = vec![a.addr.clone()];
+    let b = net::start_with(&dir.path().join("b"), config).await;
+    net::wait_converged(&[&a, &b], 2).await;
+    let peers = b.handle.peers().await.unwrap();
+    assert!(
+        peers
+            .iter()
+            .any(|p| p.addrs.iter().any(|a| a.contains("/quic-v1"))),
+        "{peers:?}"
+    );
+    b.stop().await;
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_reachable_only_through_a_relay_is_reached() {
+    let dir = tempfile::tempdir().unwrap();
+    // The relay.
+    let mut config = net::config(None);
+    config.relay_server = true;
+    let relay = net::start_with(&dir.path().join("relay"), config).await;
+    // A node that listens only through the relay (as a node behind NAT would).
+    let mut config = net::config(None);
+    config.listen = vec![format!("{}/p2p-circuit", relay.addr).parse().unwrap()];
+    let hidden = net::start_with(&dir.path().join("hidden"), config).await;
+    assert!(
+        hidden.addr.to_string().contains("/p2p-circuit"),
+        "{}",
+        hidden.addr
+    );
+    // A node that knows only the relayed address.
+    let mut config = net::config(None);
+    config.bootstrap = vec![hidden.addr.clone()];
+    let dialer = net::start_with(&dir.path().join("dialer"), config).await;
+    let hidden_id = hidden.handle.peer_id().to_string();
+    wait_for(
+        Duration::from_secs(15),
+        "the dialer to reach the hidden node",
+        || async {
+            dialer
+                .handle
+                .peers()
+                .await
+                .ok()?
+                .iter()
+                .any(|p| p.peer_id == hidden_id)
+                .then_some(())
+        },
+    )
+    .await;
+    // And the market works across it.
+    let offer = hidden
+        .handle
+        .publish_offer(net::offer(60_000))
+        .await
+        .unwrap();
+    wait_for(
+        Duration::from_secs(15),
+        "the dialer to get the hidden node's offer",
+        || async { sees_offer(&dialer, &offer.job_id).await.then_some(()) },
+    )
+    .await;
+    dialer.stop().await;
+    hidden.stop().await;
+    relay.stop().await;
+}
