@@ -1,7 +1,9 @@
 //! The data a node's local API serves, shared by the node (server), the CLI and the
 //! testnet tools (clients). JSON over HTTP on loopback; see `docs/operator-guide.md`.
 
-use cannabis_protocol::{AcceptanceMetric, AdapterKind, Address, Amount, TaskSpec, Uuid};
+use cannabis_protocol::{
+    AcceptanceMetric, AdapterKind, Address, Amount, PriceSheet, Runtime, TaskSpec, Uuid,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::{AdEntry, OfferEntry};
@@ -70,6 +72,10 @@ pub struct Ad {
     pub gpus: usize,
     /// Adapters offered.
     pub adapters: Vec<AdapterKind>,
+    /// Runtimes with versions.
+    pub runtimes: Vec<Runtime>,
+    /// The owner's prices.
+    pub prices: PriceSheet,
     /// Expiry, ms since the epoch.
     pub expires_at_ms: u64,
     /// When this node received it, µs since the epoch.
@@ -86,6 +92,8 @@ impl From<&AdEntry> for Ad {
             memory_bytes: e.ad.hardware.memory_bytes,
             gpus: e.ad.hardware.gpus.iter().filter(|g| g.allowed).count(),
             adapters: e.ad.adapters.clone(),
+            runtimes: e.ad.runtimes.clone(),
+            prices: e.ad.prices.clone(),
             expires_at_ms: e.ad.expires_at.0,
             received_at_us: e.received_at_us,
         }

@@ -37,6 +37,25 @@ pub(crate) enum Command {
     /// Local testnets of real node processes on loopback.
     #[command(subcommand)]
     Testnet(TestnetCommand),
+    /// Show what this node would advertise: hardware, GPUs, runtimes, owner settings.
+    Probe {
+        /// Configuration file whose [owner] section (allowed GPUs, limits, prices) applies.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Run the capability challenge on this machine: prove, verify, and time both.
+    Challenge {
+        /// Matrix dimension.
+        #[arg(long, default_value_t = 1024)]
+        size: u32,
+        /// Products to sum; by default sized for this machine's cores (about 2 s of work).
+        #[arg(long)]
+        rounds: Option<u32>,
+        #[command(flatten)]
+        format: Format,
+    },
     /// Create and inspect this node's identity keys.
     #[command(subcommand)]
     Keys(KeysCommand),

@@ -12,6 +12,7 @@ mod job;
 mod keys;
 mod market;
 mod node;
+mod probe;
 mod testnet;
 
 pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
@@ -20,6 +21,12 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Node(c) => node::run(c, &data_dir()?, cli.log_format),
         Command::Market(c) => market::run(c, &data_dir()?),
         Command::Testnet(c) => testnet::run(c, cli.log_format),
+        Command::Probe { config, format } => probe::probe(config.as_deref(), &data_dir()?, format),
+        Command::Challenge {
+            size,
+            rounds,
+            format,
+        } => probe::challenge(size, rounds, format),
         Command::Keys(c) => keys::run(c, &data_dir()?),
         Command::Job(c) => job::run(c),
         Command::Demo(args) => demo::run(&args),

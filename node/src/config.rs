@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use anyhow::Context as _;
+use cannabis_protocol::{NetworkLimits, PriceSheet};
 use libp2p::Multiaddr;
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +31,24 @@ pub struct NodeConfig {
     pub limits: Limits,
     /// Gossip and market-view settings.
     pub gossip: Gossip,
+    /// The owner's settings that go into the capability ad. Re-read from the file at every
+    /// ad refresh, so the next ad follows the owner's changes.
+    pub owner: Owner,
+    /// The file this configuration came from, if any.
+    #[serde(skip)]
+    pub source: Option<std::path::PathBuf>,
+}
+
+/// Owner settings advertised in the capability ad.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Owner {
+    /// GPUs (by UUID, `GPU-...`) the owner allows jobs on; none unless listed.
+    pub allowed_gpus: Vec<String>,
+    /// Bandwidth caps.
+    pub network: NetworkLimits,
+    /// Prices in base units.
+    pub prices: PriceSheet,
 }
 
 /// Connection limits.
@@ -81,6 +100,8 @@ impl Default for NodeConfig {
             api: SocketAddr::from(([127, 0, 0, 1], 4080)),
             limits: Limits::default(),
             gossip: Gossip::default(),
+            owner: Owner::default(),
+            source: None,
         }
     }
 }
@@ -114,9 +135,10 @@ impl NodeConfig {
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config {}", path.display()))?;
-        let config: NodeConfig =
+        let mut config: NodeConfig =
             toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?;
         config.check()?;
+        config.source = Some(path.to_path_buf());
         Ok(config)
     }
 
@@ -155,6 +177,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("listne"), "{err}");
+    }
+
+    #[test]
+    fn owner_settings_parse() {
+        let c: NodeConfig = toml::from_str(
+            "[owner]\nallowed_gpus = [\"GPU-1\"]\n[owner.network]\nupload_bytes_per_sec = 1000\n\
+             [owner.prices]\ncpu_core_hour = 5\ngpu_hour = [{ model = \"H200\", price = 900 }]\n",
+        )
+        .unwrap();
+        assert_eq!(c.owner.allowed_gpus, vec!["GPU-1".to_string()]);
+        assert_eq!(c.owner.network.upload_bytes_per_sec, Some(1000));
+        assert_eq!(c.owner.prices.cpu_core_hour, cannabis_protocol::Amount(5));
+        assert_eq!(
+            c.owner.prices.gpu_hour[0].price,
+            cannabis_protocol::Amount(900)
+        );
+        assert_eq!(c.owner.prices.minimum_job, cannabis_protocol::Amount(0));
     }
 
     #[test]

@@ -58,7 +58,15 @@ pub(crate) enum Command {
         reply: oneshot::Sender<anyhow::Result<MarketResponse>>,
     },
     Dial(Multiaddr, oneshot::Sender<anyhow::Result<()>>),
+    /// The slow part of the probe (python3, torch) finished.
+    Software(Software),
 }
+
+/// Runtimes and collectives found by the slow part of the probe.
+pub(crate) type Software = (
+    Vec<cannabis_protocol::Runtime>,
+    Vec<cannabis_protocol::Collective>,
+);
 
 /// A running node's state, owned by its driver task.
 pub(crate) struct Node {
@@ -76,6 +84,8 @@ pub(crate) struct Node {
     /// Remote addresses of each peer's open connections.
     connections: HashMap<PeerId, Vec<(libp2p::swarm::ConnectionId, Multiaddr)>>,
     app_scores: HashMap<PeerId, f64>,
+    /// Runtimes and collectives, once probed.
+    software: Option<Software>,
 }
 
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
@@ -116,10 +126,17 @@ pub async fn start(
         ping_rtt: HashMap::new(),
         connections: HashMap::new(),
         app_scores: HashMap::new(),
+        software: None,
     };
     node.restore()?;
     node.bootstrap();
     info!(%peer_id, %address, "node started");
+    // Probing runtimes runs python3 (torch imports take seconds): off the driver.
+    let probe_tx = tx.clone();
+    tokio::task::spawn_blocking(move || {
+        let software = cannabis_runtime::probe::runtimes();
+        let _ = probe_tx.blocking_send(Command::Software(software));
+    });
     let task = tokio::spawn(node.run(rx));
     Ok((NodeHandle::new(tx, peer_id, address), task))
 }
@@ -265,6 +282,13 @@ impl Node {
             }
             Command::Dial(addr, reply) => {
                 let _ = reply.send(self.swarm.dial(addr).map_err(Into::into));
+            }
+            Command::Software(software) => {
+                info!(runtimes = ?software.0, collectives = ?software.1, "runtimes probed");
+                self.software = Some(software);
+                if let Err(e) = self.publish_ad() {
+                    warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
+                }
             }
         }
     }

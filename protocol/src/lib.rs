@@ -37,6 +37,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod bytes;
+pub mod challenge;
 mod codec;
 mod identity;
 pub mod merkle;

@@ -107,3 +107,255 @@ mod tests {
         assert!(r.hardware.gpus.is_empty());
     }
 }
+
+/// Everything `cannabis probe` reports: what the node would advertise, and what the kernel
+/// offers the sandbox.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Probe {
+    /// CPU, memory, swap, storage, OS (GPUs are in `gpus`).
+    pub hardware: Hardware,
+    /// OS and kernel.
+    pub os: OsInfo,
+    /// Facts the system did not report.
+    pub missing: Vec<String>,
+    /// The GPU probe's answer.
+    pub gpus: crate::gpu::GpuReport,
+    /// Runtimes found, with versions.
+    pub runtimes: Vec<cannabis_protocol::Runtime>,
+    /// Collective backends available (from the installed torch).
+    pub collectives: Vec<cannabis_protocol::Collective>,
+    /// Executor adapters this build runs.
+    pub adapters: Vec<cannabis_protocol::AdapterKind>,
+    /// Kernel features the sandbox builds on. Not advertised: the ad lists only the layers
+    /// the sandbox has been verified to enforce.
+    pub kernel: Vec<KernelFeature>,
+}
+
+/// One kernel feature and whether this machine has it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct KernelFeature {
+    /// Name.
+    pub name: &'static str,
+    /// Available here; `None` when the system does not say.
+    pub available: Option<bool>,
+    /// What was read.
+    pub detail: String,
+}
+
+/// Probes everything: host, GPUs (through `gpus`, marking the `allowed` UUIDs), runtimes
+/// and kernel features.
+pub fn probe(storage_dir: &Path, gpus: &dyn crate::gpu::GpuSource, allowed: &[String]) -> Probe {
+    let host = host(storage_dir);
+    let gpu_report = crate::gpu::probe(gpus, allowed);
+    let mut hardware = host.hardware;
+    hardware.gpus = gpu_report.gpus().to_vec();
+    let (runtimes, collectives) = runtimes();
+    Probe {
+        hardware,
+        os: host.os,
+        missing: host.missing,
+        gpus: gpu_report,
+        runtimes,
+        collectives,
+        adapters: vec![cannabis_protocol::AdapterKind::Synthetic],
+        kernel: kernel_features(),
+    }
+}
+
+/// Runs a command with a time limit; its trimmed stdout, or `None` when it is missing,
+/// fails or runs too long.
+fn run_with_timeout(program: &str, args: &[&str], timeout: std::time::Duration) -> Option<String> {
+    use std::io::Read as _;
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => break,
+            Ok(Some(_)) | Err(_) => return None,
+            Ok(None) if std::time::Instant::now() > deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
+    let mut out = String::new();
+    child.stdout.take()?.read_to_string(&mut out).ok()?;
+    Some(out.trim().to_string())
+}
+
+const TORCH_PROBE: &str = "import json, torch, torch.distributed as d\n\
+print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, \
+'hip': getattr(torch.version, 'hip', None), \
+'nccl': d.is_available() and d.is_nccl_available(), \
+'gloo': d.is_available() and d.is_gloo_available()}))";
+
+/// python3 and torch (with its CUDA or ROCm build and collectives), when installed. Runs
+/// `python3` (importing torch can take seconds), so callers keep it off latency-sensitive
+/// threads.
+pub fn runtimes() -> (
+    Vec<cannabis_protocol::Runtime>,
+    Vec<cannabis_protocol::Collective>,
+) {
+    use cannabis_protocol::{Collective, Runtime};
+    let mut runtimes = Vec::new();
+    let mut collectives = Vec::new();
+    let Some(version) =
+        run_with_timeout("python3", &["--version"], std::time::Duration::from_secs(5))
+    else {
+        return (runtimes, collectives);
+    };
+    runtimes.push(Runtime {
+        name: "python3".into(),
+        version: version.trim_start_matches("Python ").to_string(),
+    });
+    let torch = run_with_timeout(
+        "python3",
+        &["-c", TORCH_PROBE],
+        std::time::Duration::from_secs(60),
+    );
+    let Some(torch) = torch.and_then(|t| t.lines().last().map(str::to_string)) else {
+        return (runtimes, collectives);
+    };
+    let field = |key: &str| -> Option<String> {
+        let start = torch.find(&format!("\"{key}\": "))? + key.len() + 4;
+        let rest = &torch[start..];
+        let end = rest.find([',', '}'])?;
+        Some(rest[..end].trim().trim_matches('"').to_string())
+    };
+    if let Some(v) = field("torch") {
+        runtimes.push(Runtime {
+            name: "torch".into(),
+            version: v,
+        });
+    }
+    if let Some(v) = field("cuda").filter(|v| v != "null") {
+        runtimes.push(Runtime {
+            name: "cuda".into(),
+            version: v,
+        });
+    }
+    if let Some(v) = field("hip").filter(|v| v != "null") {
+        runtimes.push(Runtime {
+            name: "rocm".into(),
+            version: v,
+        });
+    }
+    if field("gloo").as_deref() == Some("true") {
+        collectives.push(Collective::Gloo);
+    }
+    if field("nccl").as_deref() == Some("true") {
+        collectives.push(Collective::Nccl);
+    }
+    (runtimes, collectives)
+}
+
+/// The kernel features the sandbox builds on.
+fn kernel_features() -> Vec<KernelFeature> {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
+    let mut out = Vec::new();
+    let userns = read("/proc/sys/user/max_user_namespaces");
+    out.push(KernelFeature {
+        name: "user namespaces",
+        available: Some(userns.as_deref().is_ok_and(|v| v != "0")),
+        detail: userns.map_or_else(|e| e.to_string(), |v| format!("max_user_namespaces {v}")),
+    });
+    let v2 = read("/sys/fs/cgroup/cgroup.controllers").unwrap_or_default();
+    let v1: Vec<String> = read("/proc/cgroups")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 4 && f[1] != "0" && f[3] == "1").then(|| f[0].to_string())
+        })
+        .collect();
+    for controller in ["memory", "pids", "cpu"] {
+        let in_v2 = v2.split_whitespace().any(|c| c == controller);
+        let in_v1 = v1.iter().any(|c| c == controller);
+        out.push(KernelFeature {
+            name: match controller {
+                "memory" => "cgroup memory",
+                "pids" => "cgroup pids",
+                _ => "cgroup cpu",
+            },
+            available: Some(in_v2 || in_v1),
+            detail: if in_v2 {
+                "cgroup v2".into()
+            } else if in_v1 {
+                "cgroup v1 hierarchy".into()
+            } else {
+                "no controller".into()
+            },
+        });
+    }
+    let seccomp = read("/proc/sys/kernel/seccomp/actions_avail");
+    out.push(KernelFeature {
+        name: "seccomp",
+        available: Some(seccomp.is_ok()),
+        detail: seccomp.unwrap_or_else(|e| e.to_string()),
+    });
+    // The LSM list needs securityfs; without it the answer is unknown, not "no" (the
+    // sandbox asks the kernel directly for the Landlock ABI).
+    let lsm = read("/sys/kernel/security/lsm").unwrap_or_default();
+    out.push(KernelFeature {
+        name: "landlock",
+        available: (!lsm.is_empty()).then(|| lsm.split(',').any(|m| m == "landlock")),
+        detail: if lsm.is_empty() {
+            "not determined: /sys/kernel/security/lsm is not readable".into()
+        } else {
+            format!("lsm: {lsm}")
+        },
+    });
+    out
+}
+
+#[cfg(test)]
+mod probe_tests {
+    use super::*;
+
+    #[test]
+    fn the_full_probe_on_this_machine_is_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = probe(dir.path(), &crate::gpu::Nvml, &[]);
+        assert!(p.hardware.cpu_cores >= 1 && p.hardware.memory_bytes > 0);
+        assert!(!p.os.kernel.is_empty());
+        assert!(!p.adapters.is_empty());
+        assert_eq!(p.kernel.len(), 6);
+        // Every machine of this kind has python3; torch is optional.
+        if let Some(py) = p.runtimes.iter().find(|r| r.name == "python3") {
+            assert!(py.version.starts_with('3'), "{py:?}");
+        }
+        // The GPU list in the hardware is exactly what the GPU probe found.
+        assert_eq!(p.hardware.gpus, p.gpus.gpus());
+    }
+
+    #[test]
+    fn commands_that_hang_are_cut_off() {
+        let started = std::time::Instant::now();
+        assert_eq!(
+            run_with_timeout("sleep", &["10"], std::time::Duration::from_millis(200)),
+            None
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(
+            run_with_timeout(
+                "no-such-program-here",
+                &[],
+                std::time::Duration::from_secs(1)
+            ),
+            None
+        );
+        assert_eq!(
+            run_with_timeout("echo", &["hi"], std::time::Duration::from_secs(5)).as_deref(),
+            Some("hi")
+        );
+    }
+}

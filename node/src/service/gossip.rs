@@ -4,8 +4,7 @@
 use anyhow::Context as _;
 use cannabis_market::{Verdict, api};
 use cannabis_protocol::{
-    AdapterKind, Amount, CapabilityAd, FOUNDER_FEE_BPS, FeeTerms, JobOffer, NetworkLimits,
-    PriceSheet, Signed, Uuid,
+    AdapterKind, Amount, CapabilityAd, FOUNDER_FEE_BPS, FeeTerms, JobOffer, Signed, Uuid,
 };
 use libp2p::gossipsub::{self, MessageAcceptance};
 use tracing::{debug, info, warn};
@@ -104,24 +103,45 @@ impl Node {
         }
     }
 
-    /// Makes, signs, keeps and gossips this node's capability ad.
+    /// The owner's settings: re-read from the configuration file when there is one, so
+    /// the next ad follows the owner's changes; a file that no longer parses keeps the last
+    /// good settings.
+    fn owner(&mut self) -> crate::config::Owner {
+        if let Some(path) = self.config.source.clone() {
+            match crate::config::NodeConfig::from_file(&path) {
+                Ok(fresh) => self.config.owner = fresh.owner,
+                Err(e) => warn!(error = %format!("{e:#}"), "keeping the previous owner settings"),
+            }
+        }
+        self.config.owner.clone()
+    }
+
+    /// Probes, makes, signs, keeps and gossips this node's capability ad.
     pub(super) fn publish_ad(&mut self) -> anyhow::Result<()> {
         let (now_ms, now_us) = now();
+        let owner = self.owner();
         let host = cannabis_runtime::probe::host(&self.data_dir);
+        let gpus = cannabis_runtime::gpu::probe(&cannabis_runtime::gpu::Nvml, &owner.allowed_gpus);
+        if let cannabis_runtime::gpu::GpuReport::Failed { error } = &gpus {
+            warn!(%error, "GPU probe failed; advertising no GPU");
+        }
+        let mut hardware = host.hardware;
+        hardware.gpus = gpus.gpus().to_vec();
+        let (runtimes, collectives) = self.software.clone().unwrap_or_default();
         let ad = CapabilityAd {
             node: self.address,
             seq: self.store.next_seq("ad", now_ms.0)?,
             issued_at: now_ms,
             expires_at: now_ms.plus_ms(self.config.gossip.ad_ttl_secs.saturating_mul(1000)),
             delivery: self.keys.delivery.recipient(),
-            hardware: host.hardware,
+            hardware,
             os: host.os,
-            runtimes: Vec::new(),
+            runtimes,
             adapters: vec![AdapterKind::Synthetic],
-            collectives: Vec::new(),
+            collectives,
             isolation: Vec::new(),
-            network: NetworkLimits::default(),
-            prices: PriceSheet::default(),
+            network: owner.network,
+            prices: owner.prices,
             attestation: None,
             challenge: None,
         };

@@ -453,3 +453,57 @@ fn the_local_api_refuses_requests_without_the_token() {
     .unwrap();
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+fn probe_reports_a_complete_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.toml");
+    std::fs::write(
+        &config,
+        "[owner]\nallowed_gpus = [\"GPU-0000\"]\n[owner.network]\nupload_bytes_per_sec = 1000000\n\
+         [owner.prices]\ncpu_core_hour = 7\n",
+    )
+    .unwrap();
+    let o = cannabis(
+        dir.path(),
+        &["probe", "--json", "--config", config.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(p["hardware"]["cpu_cores"].as_u64().unwrap() >= 1);
+    assert!(p["hardware"]["memory_bytes"].as_u64().unwrap() > 0);
+    assert!(p["hardware"]["storage_bytes"].as_u64().unwrap() > 0);
+    assert!(!p["os"]["kernel"].as_str().unwrap().is_empty());
+    // No NVIDIA driver here is a normal answer, and then no GPU is listed.
+    let status = p["gpus"]["status"].as_str().unwrap();
+    assert!(
+        ["no-driver", "devices", "failed"].contains(&status),
+        "{status}"
+    );
+    if status != "devices" {
+        assert_eq!(p["hardware"]["gpus"].as_array().unwrap().len(), 0);
+    }
+    assert_eq!(p["network"]["upload_bytes_per_sec"], 1_000_000);
+    assert_eq!(p["prices"]["cpu_core_hour"], 7);
+    assert_eq!(p["kernel"].as_array().unwrap().len(), 6);
+    let table = cannabis(dir.path(), &["probe"]);
+    assert!(table.status.success(), "{}", stderr(&table));
+    assert!(stdout(&table).contains("gpus"), "{}", stdout(&table));
+}
+
+#[test]
+fn challenge_runs_proves_and_verifies() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(
+        dir.path(),
+        &["challenge", "--size", "64", "--rounds", "4", "--json"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["n"], 64);
+    assert_eq!(r["rounds"], 4);
+    assert_eq!(r["passed"], true);
+    let bad = cannabis(dir.path(), &["challenge", "--size", "0"]);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("outside"), "{}", stderr(&bad));
+}

@@ -287,3 +287,32 @@ async fn a_node_reachable_only_through_a_relay_is_reached() {
     hidden.stop().await;
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_ad_follows_the_owners_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("node.toml");
+    let write = |price: u64| {
+        std::fs::write(&file, format!("[owner.prices]\ncpu_core_hour = {price}\n")).unwrap();
+    };
+    write(5);
+    let mut config = cannabis_node::NodeConfig::from_file(&file).unwrap();
+    let base = net::config(None);
+    config.listen = base.listen;
+    config.mdns = false;
+    let node = net::start_with(&dir.path().join("n"), config).await;
+    node.handle.publish_ad().await.unwrap();
+    let price = |node: &TestNode| {
+        let h = node.handle.clone();
+        async move { h.ads().await.unwrap()[0].prices.cpu_core_hour.0 }
+    };
+    assert_eq!(price(&node).await, 5);
+    write(9);
+    node.handle.publish_ad().await.unwrap();
+    assert_eq!(price(&node).await, 9);
+    // A broken file keeps the last good settings.
+    std::fs::write(&file, "[owner.prices]\ncpu_core_hour = \"lots\"\n").unwrap();
+    node.handle.publish_ad().await.unwrap();
+    assert_eq!(price(&node).await, 9);
+    node.stop().await;
+}

@@ -96,6 +96,7 @@ pub struct OsInfo {
 /// Owner-set bandwidth caps; `None` means not capped.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(default)]
 pub struct NetworkLimits {
     /// Upload cap in bytes per second.
     pub upload_bytes_per_sec: Option<u64>,
@@ -106,6 +107,7 @@ pub struct NetworkLimits {
 /// The owner's price sheet, in base units.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(default)]
 pub struct PriceSheet {
     /// Per CPU core per hour.
     pub cpu_core_hour: Amount,
