@@ -45,6 +45,9 @@ pub struct NodeConfig {
 pub struct Owner {
     /// GPUs (by UUID, `GPU-...`) the owner allows jobs on; none unless listed.
     pub allowed_gpus: Vec<String>,
+    /// The administrator-pinned NVIDIA CDI device map (JSON, devices named by UUID). Allowed
+    /// GPUs are advertised only while it matches the GPUs present.
+    pub cdi_map: Option<std::path::PathBuf>,
     /// Bandwidth caps.
     pub network: NetworkLimits,
     /// Prices in base units.

@@ -6,6 +6,7 @@
 //! memory, swap, storage and itself) and the prover of the capability challenge.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod cdi;
 pub mod challenge;
 pub mod gpu;
 pub mod probe;

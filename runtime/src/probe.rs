@@ -120,6 +120,8 @@ pub struct Probe {
     pub missing: Vec<String>,
     /// The GPU probe's answer.
     pub gpus: crate::gpu::GpuReport,
+    /// Why allowed GPUs are not advertised (no pinned CDI map, or a refused one).
+    pub gpu_refusal: Option<String>,
     /// Runtimes found, with versions.
     pub runtimes: Vec<cannabis_protocol::Runtime>,
     /// Collective backends available (from the installed torch).
@@ -142,19 +144,42 @@ pub struct KernelFeature {
     pub detail: String,
 }
 
-/// Probes everything: host, GPUs (through `gpus`, marking the `allowed` UUIDs), runtimes
-/// and kernel features.
-pub fn probe(storage_dir: &Path, gpus: &dyn crate::gpu::GpuSource, allowed: &[String]) -> Probe {
+/// The GPUs to advertise: probed through `source`, the owner's `allowed` UUIDs marked, and
+/// allowed only while the pinned CDI map (`cdi_map`) verifies. Returns the report, the GPU
+/// list and the reason allowed GPUs were withdrawn, if they were.
+pub fn gpus(
+    source: &dyn crate::gpu::GpuSource,
+    allowed: &[String],
+    cdi_map: Option<&Path>,
+) -> (
+    crate::gpu::GpuReport,
+    Vec<cannabis_protocol::Gpu>,
+    Option<String>,
+) {
+    let report = crate::gpu::probe(source, allowed);
+    let mut list = report.gpus().to_vec();
+    let refusal = crate::cdi::enforce(cdi_map, &mut list);
+    (report, list, refusal)
+}
+
+/// Probes everything: host, GPUs (see [`gpus`]), runtimes and kernel features.
+pub fn probe(
+    storage_dir: &Path,
+    source: &dyn crate::gpu::GpuSource,
+    allowed: &[String],
+    cdi_map: Option<&Path>,
+) -> Probe {
     let host = host(storage_dir);
-    let gpu_report = crate::gpu::probe(gpus, allowed);
+    let (gpu_report, list, gpu_refusal) = gpus(source, allowed, cdi_map);
     let mut hardware = host.hardware;
-    hardware.gpus = gpu_report.gpus().to_vec();
+    hardware.gpus = list;
     let (runtimes, collectives) = runtimes();
     Probe {
         hardware,
         os: host.os,
         missing: host.missing,
         gpus: gpu_report,
+        gpu_refusal,
         runtimes,
         collectives,
         adapters: vec![cannabis_protocol::AdapterKind::Synthetic],
@@ -324,7 +349,7 @@ mod probe_tests {
     #[test]
     fn the_full_probe_on_this_machine_is_complete() {
         let dir = tempfile::tempdir().unwrap();
-        let p = probe(dir.path(), &crate::gpu::Nvml, &[]);
+        let p = probe(dir.path(), &crate::gpu::Nvml, &[], None);
         assert!(p.hardware.cpu_cores >= 1 && p.hardware.memory_bytes > 0);
         assert!(!p.os.kernel.is_empty());
         assert!(!p.adapters.is_empty());
@@ -333,8 +358,9 @@ mod probe_tests {
         if let Some(py) = p.runtimes.iter().find(|r| r.name == "python3") {
             assert!(py.version.starts_with('3'), "{py:?}");
         }
-        // The GPU list in the hardware is exactly what the GPU probe found.
+        // Nothing is allowed, so the list is exactly what the GPU probe found.
         assert_eq!(p.hardware.gpus, p.gpus.gpus());
+        assert_eq!(p.gpu_refusal, None);
     }
 
     #[test]

@@ -36,7 +36,12 @@ pub(super) fn probe(config: Option<&Path>, data_dir: &Path, format: Format) -> a
             break;
         }
     }
-    let p = cannabis_runtime::probe::probe(&storage_dir, &Nvml, &config.owner.allowed_gpus);
+    let p = cannabis_runtime::probe::probe(
+        &storage_dir,
+        &Nvml,
+        &config.owner.allowed_gpus,
+        config.owner.cdi_map.as_deref(),
+    );
     let owner = config.owner;
     if format.json {
         return output::json(&ProbeOutput {
@@ -85,6 +90,9 @@ pub(super) fn probe(config: Option<&Path>, data_dir: &Path, format: Format) -> a
     }
     if let GpuReport::NoDriver { detail } = &p.gpus {
         out!("  ({detail})")?;
+    }
+    if let Some(refusal) = &p.gpu_refusal {
+        out!("  not advertised: {refusal}")?;
     }
     output::table(&[
         (

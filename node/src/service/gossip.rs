@@ -121,12 +121,19 @@ impl Node {
         let (now_ms, now_us) = now();
         let owner = self.owner();
         let host = cannabis_runtime::probe::host(&self.data_dir);
-        let gpus = cannabis_runtime::gpu::probe(&cannabis_runtime::gpu::Nvml, &owner.allowed_gpus);
-        if let cannabis_runtime::gpu::GpuReport::Failed { error } = &gpus {
+        let (report, gpus, refusal) = cannabis_runtime::probe::gpus(
+            &cannabis_runtime::gpu::Nvml,
+            &owner.allowed_gpus,
+            owner.cdi_map.as_deref(),
+        );
+        if let cannabis_runtime::gpu::GpuReport::Failed { error } = &report {
             warn!(%error, "GPU probe failed; advertising no GPU");
         }
+        if let Some(refusal) = refusal {
+            warn!(%refusal, "allowed GPUs withdrawn from the ad");
+        }
         let mut hardware = host.hardware;
-        hardware.gpus = gpus.gpus().to_vec();
+        hardware.gpus = gpus;
         let (runtimes, collectives) = self.software.clone().unwrap_or_default();
         let ad = CapabilityAd {
             node: self.address,
