@@ -80,6 +80,8 @@ pub struct Ad {
     pub expires_at_ms: u64,
     /// When this node received it, µs since the epoch.
     pub received_at_us: u64,
+    /// When this node last saw the node pass a capability challenge, ms since the epoch.
+    pub challenge_passed_at_ms: Option<u64>,
 }
 
 impl From<&AdEntry> for Ad {
@@ -96,6 +98,7 @@ impl From<&AdEntry> for Ad {
             prices: e.ad.prices.clone(),
             expires_at_ms: e.ad.expires_at.0,
             received_at_us: e.received_at_us,
+            challenge_passed_at_ms: None,
         }
     }
 }
@@ -209,4 +212,29 @@ pub struct OfferTemplate {
     /// Who receives the 1% fee; this node when absent.
     #[serde(default)]
     pub fee_recipient: Option<Address>,
+}
+
+/// `POST /v1/peers/{peer}/challenge` answer: a capability challenge this node set a peer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChallengeReport {
+    /// The peer challenged.
+    pub peer_id: String,
+    /// Its address.
+    pub address: String,
+    /// Cores its ad claims.
+    pub claimed_cores: u32,
+    /// Matrix dimension.
+    pub n: u32,
+    /// Products summed.
+    pub rounds: u32,
+    /// Time from request to answer, ms.
+    pub took_ms: u64,
+    /// Deadline for the claim, ms.
+    pub deadline_ms: u64,
+    /// Time this node spent verifying, ms.
+    pub verify_ms: u64,
+    /// Whether the answer was right and on time.
+    pub passed: bool,
+    /// Why it failed, if it did.
+    pub failure: Option<String>,
 }

@@ -114,6 +114,7 @@ pub fn serve(
         .route("/v1/status", get(status))
         .route("/v1/peers", get(peers))
         .route("/v1/peers/{peer}/ping", post(ping))
+        .route("/v1/peers/{peer}/challenge", post(challenge))
         .route("/v1/market/ads", get(ads))
         .route("/v1/market/offers", get(offers))
         .route("/v1/market/bids", get(bids))
@@ -176,4 +177,17 @@ async fn ping(
     })?;
     let count = q.count.unwrap_or(10).clamp(1, 10_000);
     Ok(Json(s.node.ping(peer, count).await?))
+}
+
+async fn challenge(
+    State(s): State<AppState>,
+    UrlPath(peer): UrlPath<String>,
+) -> Result<Json<api::ChallengeReport>, Error> {
+    let peer = peer.parse().map_err(|e| {
+        Error(
+            StatusCode::BAD_REQUEST,
+            format!("{peer:?} is not a peer id: {e}"),
+        )
+    })?;
+    Ok(Json(s.node.challenge(peer).await?))
 }

@@ -80,6 +80,8 @@ pub(crate) enum NodeCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Set a peer the capability challenge, sized to the cores its ad claims, and check it.
+    Challenge(ChallengeArgs),
     /// Measure request-response round trips from the running node to a peer.
     Ping {
         /// The peer's id (see `cannabis node peers`).
@@ -90,6 +92,14 @@ pub(crate) enum NodeCommand {
         #[command(flatten)]
         format: Format,
     },
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ChallengeArgs {
+    /// The peer's id (see `cannabis node peers`).
+    pub(crate) peer: String,
+    #[command(flatten)]
+    pub(crate) format: Format,
 }
 
 #[derive(Debug, Args)]

@@ -31,12 +31,56 @@ pub struct NodeConfig {
     pub limits: Limits,
     /// Gossip and market-view settings.
     pub gossip: Gossip,
+    /// How this node sizes and times the challenges it sets.
+    pub challenge: ChallengeConfig,
     /// The owner's settings that go into the capability ad. Re-read from the file at every
     /// ad refresh, so the next ad follows the owner's changes.
     pub owner: Owner,
     /// The file this configuration came from, if any.
     #[serde(skip)]
     pub source: Option<std::path::PathBuf>,
+}
+
+/// Sizing of the capability challenges this node sets (see docs/security.md).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChallengeConfig {
+    /// Matrix dimension.
+    pub size: u32,
+    /// Integer operations per second expected of one claimed core.
+    pub ops_per_core_per_sec: u64,
+    /// Work for an honest node, in milliseconds.
+    pub target_ms: u64,
+    /// Deadline as a multiple of that.
+    pub slack: u64,
+    /// Shortest deadline, in milliseconds.
+    pub min_deadline_ms: u64,
+}
+
+impl Default for ChallengeConfig {
+    fn default() -> Self {
+        let s = cannabis_protocol::challenge::Sizing::default();
+        Self {
+            size: s.n,
+            ops_per_core_per_sec: s.ops_per_core_per_sec,
+            target_ms: s.target_ms,
+            slack: s.slack,
+            min_deadline_ms: s.min_deadline_ms,
+        }
+    }
+}
+
+impl ChallengeConfig {
+    /// The sizing these settings describe.
+    pub fn sizing(&self) -> cannabis_protocol::challenge::Sizing {
+        cannabis_protocol::challenge::Sizing {
+            n: self.size,
+            ops_per_core_per_sec: self.ops_per_core_per_sec,
+            target_ms: self.target_ms,
+            slack: self.slack,
+            min_deadline_ms: self.min_deadline_ms,
+        }
+    }
 }
 
 /// Owner settings advertised in the capability ad.
@@ -103,6 +147,7 @@ impl Default for NodeConfig {
             api: SocketAddr::from(([127, 0, 0, 1], 4080)),
             limits: Limits::default(),
             gossip: Gossip::default(),
+            challenge: ChallengeConfig::default(),
             owner: Owner::default(),
             source: None,
         }

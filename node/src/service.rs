@@ -2,6 +2,7 @@
 //! and commands (from the local API, the CLI, tests) go in; gossip, requests and answers
 //! come out. A cheap-to-clone [`NodeHandle`] sends commands over a bounded channel.
 
+mod challenge;
 mod directed;
 mod gossip;
 mod handle;
@@ -60,6 +61,18 @@ pub(crate) enum Command {
     Dial(Multiaddr, oneshot::Sender<anyhow::Result<()>>),
     /// The slow part of the probe (python3, torch) finished.
     Software(Software),
+    /// Set a peer the capability challenge.
+    Challenge(
+        PeerId,
+        oneshot::Sender<anyhow::Result<api::ChallengeReport>>,
+    ),
+    /// A challenge this node answers has been proved.
+    ChallengeProved(cannabis_protocol::ChallengeResponse),
+    /// A challenge this node set has been checked.
+    ChallengeChecked(
+        api::ChallengeReport,
+        oneshot::Sender<anyhow::Result<api::ChallengeReport>>,
+    ),
 }
 
 /// Runtimes and collectives found by the slow part of the probe.
@@ -86,6 +99,15 @@ pub(crate) struct Node {
     app_scores: HashMap<PeerId, f64>,
     /// Runtimes and collectives, once probed.
     software: Option<Software>,
+    /// Commands to itself, from blocking work.
+    self_tx: mpsc::Sender<Command>,
+    /// Challenges this node set, by request.
+    challenges: HashMap<OutboundRequestId, challenge::Pending>,
+    /// The challenge this node is proving (one at a time), and where to answer.
+    proving:
+        Option<libp2p::request_response::ResponseChannel<cannabis_protocol::ChallengeResponse>>,
+    /// When each node last passed a challenge this node set.
+    challenge_passes: HashMap<Address, Timestamp>,
 }
 
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
@@ -112,6 +134,9 @@ pub async fn start(
     let address = keys.signing.address();
     let peer_id = *swarm.local_peer_id();
     let (tx, rx) = mpsc::channel(256);
+    // Blocking work reports back on a channel of its own, so the driver still stops when
+    // every outside handle is gone.
+    let (internal_tx, internal_rx) = mpsc::channel(16);
     let mut node = Node {
         swarm,
         view: View::new(ViewConfig::default()),
@@ -127,17 +152,21 @@ pub async fn start(
         connections: HashMap::new(),
         app_scores: HashMap::new(),
         software: None,
+        self_tx: internal_tx.clone(),
+        challenges: HashMap::new(),
+        proving: None,
+        challenge_passes: HashMap::new(),
     };
     node.restore()?;
     node.bootstrap();
     info!(%peer_id, %address, "node started");
     // Probing runtimes runs python3 (torch imports take seconds): off the driver.
-    let probe_tx = tx.clone();
+    let probe_tx = internal_tx;
     tokio::task::spawn_blocking(move || {
         let software = cannabis_runtime::probe::runtimes();
         let _ = probe_tx.blocking_send(Command::Software(software));
     });
-    let task = tokio::spawn(node.run(rx));
+    let task = tokio::spawn(node.run(rx, internal_rx));
     Ok((NodeHandle::new(tx, peer_id, address), task))
 }
 
@@ -205,7 +234,11 @@ impl Node {
         }
     }
 
-    async fn run(mut self, mut commands: mpsc::Receiver<Command>) {
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut internal: mpsc::Receiver<Command>,
+    ) {
         let mut ad_timer =
             tokio::time::interval(Duration::from_secs(self.config.gossip.ad_refresh_secs));
         let mut expiry = tokio::time::interval(Duration::from_millis(250));
@@ -217,6 +250,7 @@ impl Node {
                     Some(c) => self.on_command(c),
                     None => break,
                 },
+                Some(command) = internal.recv() => self.on_command(command),
                 _ = ad_timer.tick() => {
                     if let Err(e) = self.publish_ad() {
                         warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
@@ -254,7 +288,17 @@ impl Node {
                 let _ = reply.send(self.peers());
             }
             Command::Ads(reply) => {
-                let _ = reply.send(self.view.ads().map(api::Ad::from).collect());
+                let ads = self
+                    .view
+                    .ads()
+                    .map(|e| {
+                        let mut ad = api::Ad::from(e);
+                        ad.challenge_passed_at_ms =
+                            self.challenge_passes.get(&e.ad.node).map(|t| t.0);
+                        ad
+                    })
+                    .collect();
+                let _ = reply.send(ads);
             }
             Command::Offers(reply) => {
                 let _ = reply.send(self.view.offers().map(api::Offer::from).collect());
@@ -283,6 +327,9 @@ impl Node {
             Command::Dial(addr, reply) => {
                 let _ = reply.send(self.swarm.dial(addr).map_err(Into::into));
             }
+            Command::Challenge(peer, reply) => self.start_challenge(peer, reply),
+            Command::ChallengeProved(response) => self.send_proved(response),
+            Command::ChallengeChecked(report, reply) => self.record_challenge(report, reply),
             Command::Software(software) => {
                 info!(runtimes = ?software.0, collectives = ?software.1, "runtimes probed");
                 self.software = Some(software);
@@ -413,6 +460,7 @@ impl Node {
             BehaviourEvent::Gossipsub(e) => self.on_gossip(e),
             BehaviourEvent::Market(e) => self.on_market(e),
             BehaviourEvent::Sync(e) => self.on_sync(e),
+            BehaviourEvent::Challenge(e) => self.on_challenge(e),
             BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
                 for addr in info.listen_addrs {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);

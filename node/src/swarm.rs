@@ -5,8 +5,8 @@ mod codec;
 mod topics;
 
 pub use behaviour::{
-    Behaviour, BehaviourEvent, IDENTIFY_PROTOCOL, KAD_PROTOCOL, MARKET_PROTOCOL, MAX_TRANSMIT_SIZE,
-    SYNC_PROTOCOL, address_of, peer_of,
+    Behaviour, BehaviourEvent, CHALLENGE_PROTOCOL, IDENTIFY_PROTOCOL, KAD_PROTOCOL,
+    MARKET_PROTOCOL, MAX_TRANSMIT_SIZE, SYNC_PROTOCOL, address_of, peer_of,
 };
 pub use codec::Codec;
 pub use topics::{Topic, peer_score};

@@ -18,7 +18,9 @@ pub use delivery::{
     COMPUTE_RESULT_DOMAIN, ComputeResult, ComputeResultError, DeliveryManifest, EvaluationReport,
     MetricValue, NamedDigest, OutputDigest, ResourceUsage, Setting,
 };
-pub use directed::{MarketRequest, MarketResponse, SyncRequest, SyncResponse};
+pub use directed::{
+    ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
+};
 pub use ledger::{
     Block, BlockError, BlockHeader, EscrowAssign, EscrowLock, EscrowSettle, ResultCommit,
     SUBMIT_RESULT_GAS_LIMIT, Transaction, TxError, TxPayload, TxType, compute_leaves,

@@ -145,6 +145,11 @@ impl ApiClient {
         self.post("/v1/offers", template)
     }
 
+    /// `POST /v1/peers/{peer}/challenge`
+    pub fn challenge(&self, peer: &str) -> anyhow::Result<api::ChallengeReport> {
+        self.post(&format!("/v1/peers/{peer}/challenge"), &())
+    }
+
     /// `POST /v1/peers/{peer}/ping?count=N`
     pub fn ping(&self, peer: &str, count: u32) -> anyhow::Result<api::PingReport> {
         self.post(&format!("/v1/peers/{peer}/ping?count={count}"), &())

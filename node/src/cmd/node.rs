@@ -65,6 +65,32 @@ pub(super) fn run(
             out!("{} peers", peers.len())?;
             Ok(())
         }
+        NodeCommand::Challenge(args) => {
+            let r = ApiClient::from_data_dir(data_dir)?.challenge(&args.peer)?;
+            if args.format.json {
+                output::json(&r)?;
+            } else {
+                output::table(&[
+                    ("peer", format!("{} ({})", r.peer_id, r.address)),
+                    ("claim", format!("{} cores", r.claimed_cores)),
+                    ("challenge", format!("n = {}, {} rounds", r.n, r.rounds)),
+                    (
+                        "answered in",
+                        format!("{} ms (deadline {} ms)", r.took_ms, r.deadline_ms),
+                    ),
+                    ("verified in", format!("{} ms", r.verify_ms)),
+                    (
+                        "result",
+                        match &r.failure {
+                            None => "passed".to_string(),
+                            Some(f) => format!("FAILED: {f}"),
+                        },
+                    ),
+                ])?;
+            }
+            anyhow::ensure!(r.passed, "the peer failed the challenge");
+            Ok(())
+        }
         NodeCommand::Ping {
             peer,
             count,

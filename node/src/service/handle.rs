@@ -95,6 +95,11 @@ impl NodeHandle {
         .await?
     }
 
+    /// Sets `peer` the capability challenge, sized from its ad, and checks the answer.
+    pub async fn challenge(&self, peer: PeerId) -> anyhow::Result<api::ChallengeReport> {
+        self.ask(|tx| Command::Challenge(peer, tx)).await?
+    }
+
     /// Dials an address.
     pub async fn dial(&self, addr: Multiaddr) -> anyhow::Result<()> {
         self.ask(|tx| Command::Dial(addr, tx)).await?

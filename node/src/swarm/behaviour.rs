@@ -2,7 +2,10 @@
 
 use std::time::Duration;
 
-use cannabis_protocol::{MarketRequest, MarketResponse, SyncRequest, SyncResponse, Wire as _};
+use cannabis_protocol::{
+    ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
+    Wire as _,
+};
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::{
@@ -18,6 +21,11 @@ use crate::config::NodeConfig;
 pub const MARKET_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/market/1");
 /// Protocol id of the sync protocol (a late joiner's copy of the live market).
 pub const SYNC_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/sync/1");
+/// Protocol id of the capability challenge.
+pub const CHALLENGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/challenge/1");
+/// A challenge is sized to about two seconds of work with three times that as deadline;
+/// the transport timeout leaves room for large answers on slow links.
+const CHALLENGE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Kademlia protocol name (our own, not the IPFS DHT).
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/kad/1.0.0");
 /// Identify protocol version.
@@ -42,6 +50,7 @@ pub struct Behaviour {
     pub(crate) dcutr: dcutr::Behaviour,
     pub(crate) market: request_response::Behaviour<Codec<MarketRequest, MarketResponse>>,
     pub(crate) sync: request_response::Behaviour<Codec<SyncRequest, SyncResponse>>,
+    pub(crate) challenge: request_response::Behaviour<Codec<ChallengeRequest, ChallengeResponse>>,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -113,6 +122,11 @@ impl Behaviour {
                 Codec::default(),
                 [(SYNC_PROTOCOL, request_response::ProtocolSupport::Full)],
                 rr_config,
+            ),
+            challenge: request_response::Behaviour::with_codec(
+                Codec::default(),
+                [(CHALLENGE_PROTOCOL, request_response::ProtocolSupport::Full)],
+                request_response::Config::default().with_request_timeout(CHALLENGE_TIMEOUT),
             ),
         })
     }

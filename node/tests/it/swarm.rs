@@ -316,3 +316,33 @@ async fn the_next_ad_follows_the_owners_settings() {
     assert_eq!(price(&node).await, 9);
     node.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_challenges_a_peer_over_the_network() {
+    let dir = tempfile::tempdir().unwrap();
+    // A small challenge with a generous deadline: this test is about the exchange, not the
+    // speed of a debug build on a loaded machine (the deadline rule has its own tests).
+    let mut config = net::config(None);
+    config.challenge.size = 128;
+    config.challenge.target_ms = 50;
+    config.challenge.min_deadline_ms = 60_000;
+    let a = net::start_with(&dir.path().join("a"), config).await;
+    let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b], 2).await;
+    let report = a.handle.challenge(b.handle.peer_id()).await.unwrap();
+    assert!(report.passed, "{report:?}");
+    assert_eq!(report.address, b.handle.address().to_string());
+    assert_eq!(report.n, 128);
+    assert!(report.rounds >= 1);
+    assert!(report.took_ms <= report.deadline_ms);
+    // The verifier remembers the pass next to the peer's ad.
+    let ads = a.handle.ads().await.unwrap();
+    let ad = ads.iter().find(|ad| ad.node == report.address).unwrap();
+    assert!(ad.challenge_passed_at_ms.is_some());
+    // A peer without an ad cannot be checked against a claim.
+    let unknown = libp2p::PeerId::random();
+    let err = a.handle.challenge(unknown).await.unwrap_err().to_string();
+    assert!(err.contains("no capability ad"), "{err}");
+    b.stop().await;
+    a.stop().await;
+}

@@ -95,3 +95,71 @@ wire!(MarketRequest, "market request", 64 * 1024 + 512);
 wire!(MarketResponse, "market response", 4 * 1024);
 wire!(SyncRequest, "sync request", 512);
 wire!(SyncResponse, "sync response", 4 * 1024 * 1024);
+
+/// A capability challenge, on the challenge protocol (`/cannabis/challenge/1`). See
+/// [`crate::challenge`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct ChallengeRequest {
+    /// The verifier's fresh random seed.
+    pub seed: crate::Digest,
+    /// Matrix dimension.
+    pub n: u32,
+    /// Products to sum.
+    pub rounds: u32,
+}
+
+/// The prover's answer to a [`ChallengeRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum ChallengeResponse {
+    /// `S`, row-major, each entry a little-endian `i64`.
+    Answer {
+        /// Dimension computed.
+        n: u32,
+        /// The entries.
+        #[serde(with = "serde_bytes")]
+        sum: Vec<u8>,
+    },
+    /// Not answered, with the reason (busy, size out of range).
+    Refused {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl ChallengeResponse {
+    /// The answer of a computed challenge.
+    pub fn answer(answer: &crate::challenge::Answer) -> Self {
+        ChallengeResponse::Answer {
+            n: answer.n,
+            sum: answer.sum.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Back to an [`crate::challenge::Answer`] (its size is checked by the verifier).
+    pub fn to_answer(&self) -> Option<crate::challenge::Answer> {
+        match self {
+            ChallengeResponse::Answer { n, sum } => Some(crate::challenge::Answer {
+                n: *n,
+                sum: sum
+                    .chunks_exact(8)
+                    .map(|c| {
+                        let mut b = [0u8; 8];
+                        b.copy_from_slice(c);
+                        i64::from_le_bytes(b)
+                    })
+                    .collect(),
+            }),
+            ChallengeResponse::Refused { .. } => None,
+        }
+    }
+}
+
+wire!(ChallengeRequest, "challenge request", 256);
+wire!(
+    ChallengeResponse,
+    "challenge response",
+    8 * (crate::challenge::MAX_CHALLENGE_N as usize).pow(2) + 1024
+);

@@ -102,6 +102,8 @@ wire_properties! {
     market_response: MarketResponse, 64;
     sync_request: SyncRequest, 64;
     sync_response: SyncResponse, 8;
+    challenge_request: ChallengeRequest, 64;
+    challenge_response: ChallengeResponse, 32;
 }
 
 /// Any single-byte change to a signed envelope's wire bytes makes it fail: to decode, or to
