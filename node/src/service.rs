@@ -183,35 +183,13 @@ impl Node {
                 };
                 if matches!(verdict, cannabis_market::Verdict::Accept(_)) {
                     kept += 1;
+                } else if let Some(key) = kind.key_of(&bytes) {
+                    // Expired meanwhile, or no longer valid: it leaves the store too.
+                    self.store.remove(kind, &key)?;
                 }
             }
         }
-        // Whatever was not accepted back (expired, superseded) leaves the store too.
-        self.forget_missing()?;
         info!(kept, "market view restored from the store");
-        Ok(())
-    }
-
-    fn forget_missing(&mut self) -> anyhow::Result<()> {
-        for (_, bytes) in self.store.load(Kind::Ad)? {
-            if let Ok(s) =
-                cannabis_protocol::Signed::<cannabis_protocol::CapabilityAd>::from_bytes(&bytes)
-                && let Ok(v) = s.verify()
-                && self.view.ad(&v.body.node).is_none_or(|e| e.id != v.id)
-            {
-                self.store
-                    .remove(Kind::Ad, v.body.node.to_string().as_bytes())?;
-            }
-        }
-        for (_, bytes) in self.store.load(Kind::Offer)? {
-            if let Ok(s) =
-                cannabis_protocol::Signed::<cannabis_protocol::JobOffer>::from_bytes(&bytes)
-                && let Ok(v) = s.verify()
-                && self.view.offer(&v.body.job_id).is_none_or(|e| e.id != v.id)
-            {
-                self.store.remove(Kind::Offer, &v.body.job_id.0)?;
-            }
-        }
         Ok(())
     }
 

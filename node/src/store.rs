@@ -28,6 +28,25 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// The key a signed message of this kind is kept under (the node's address for ads,
+    /// the job id for offers), read from its payload without checking the signature again:
+    /// only messages the market view accepted are kept.
+    pub fn key_of(self, signed: &[u8]) -> Option<Vec<u8>> {
+        use cannabis_protocol::{CapabilityAd, JobOffer, Signed, decode};
+        match self {
+            Kind::Ad => {
+                let s = Signed::<CapabilityAd>::from_bytes(signed).ok()?;
+                let ad: CapabilityAd = decode(s.payload()).ok()?;
+                Some(ad.node.to_string().into_bytes())
+            }
+            Kind::Offer => {
+                let s = Signed::<JobOffer>::from_bytes(signed).ok()?;
+                let offer: JobOffer = decode(s.payload()).ok()?;
+                Some(offer.job_id.0.to_vec())
+            }
+        }
+    }
+
     fn table(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
         match self {
             Kind::Ad => ADS,

@@ -10,6 +10,7 @@ use libp2p::request_response::{Event, InboundFailure, Message};
 use tracing::{debug, info, warn};
 
 use super::{Node, now};
+use crate::store::Kind;
 
 /// A sync page stops growing past this many bytes, well under the frame cap.
 const SYNC_PAGE_BYTES: usize = SyncResponse::MAX_SIZE / 2;
@@ -220,7 +221,7 @@ impl Node {
             match self.view.on_ad(&bytes, None, now_ms, now_us) {
                 Verdict::Accept(_) => {
                     accepted += 1;
-                    self.keep_ad(&bytes, now_us);
+                    self.keep(Kind::Ad, &bytes, now_us);
                 }
                 Verdict::Ignore(_) => {}
                 Verdict::Reject(why) => {
@@ -228,14 +229,16 @@ impl Node {
                     warn!(%peer, %why, "invalid ad in a sync page");
                 }
             }
-            last_ad = ad.verify().ok().map(|v| v.body.node);
+            last_ad = cannabis_protocol::decode::<cannabis_protocol::CapabilityAd>(ad.payload())
+                .ok()
+                .map(|a| a.node);
         }
         for offer in &page.offers {
             let bytes = offer.to_bytes();
             match self.view.on_offer(&bytes, None, now_ms, now_us) {
                 Verdict::Accept(_) => {
                     accepted += 1;
-                    self.keep_offer(&bytes, now_us);
+                    self.keep(Kind::Offer, &bytes, now_us);
                 }
                 Verdict::Ignore(_) => {}
                 // An offer that expired while the page travelled is not the peer's fault.
@@ -245,7 +248,9 @@ impl Node {
                     warn!(%peer, %why, "invalid offer in a sync page");
                 }
             }
-            last_offer = offer.verify().ok().map(|v| v.body.job_id);
+            last_offer = cannabis_protocol::decode::<cannabis_protocol::JobOffer>(offer.payload())
+                .ok()
+                .map(|o| o.job_id);
         }
         if rejected > 0 {
             self.penalize(

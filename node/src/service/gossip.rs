@@ -70,36 +70,19 @@ impl Node {
             .report_message_validation_result(&message_id, &propagation_source, acceptance);
         if accepted {
             match topic {
-                Some(Topic::Ads) => self.keep_ad(&message.data, now_us),
-                Some(Topic::Offers) => self.keep_offer(&message.data, now_us),
+                Some(Topic::Ads) => self.keep(Kind::Ad, &message.data, now_us),
+                Some(Topic::Offers) => self.keep(Kind::Offer, &message.data, now_us),
                 _ => {}
             }
         }
     }
 
-    /// Persists an accepted ad (so a restart keeps it).
-    pub(super) fn keep_ad(&mut self, bytes: &[u8], received_us: u64) {
-        let key = Signed::<CapabilityAd>::from_bytes(bytes)
-            .ok()
-            .and_then(|s| s.verify().ok())
-            .map(|v| v.body.node.to_string());
-        if let Some(key) = key
-            && let Err(e) = self.store.put(Kind::Ad, key.as_bytes(), received_us, bytes)
+    /// Persists an accepted ad or offer (so a restart keeps it).
+    pub(super) fn keep(&mut self, kind: Kind, bytes: &[u8], received_us: u64) {
+        if let Some(key) = kind.key_of(bytes)
+            && let Err(e) = self.store.put(kind, &key, received_us, bytes)
         {
-            warn!(error = %format!("{e:#}"), "cannot store an ad");
-        }
-    }
-
-    /// Persists an accepted offer.
-    pub(super) fn keep_offer(&mut self, bytes: &[u8], received_us: u64) {
-        let key = Signed::<JobOffer>::from_bytes(bytes)
-            .ok()
-            .and_then(|s| s.verify().ok())
-            .map(|v| v.body.job_id);
-        if let Some(key) = key
-            && let Err(e) = self.store.put(Kind::Offer, &key.0, received_us, bytes)
-        {
-            warn!(error = %format!("{e:#}"), "cannot store an offer");
+            warn!(error = %format!("{e:#}"), ?kind, "cannot store a gossip message");
         }
     }
 
@@ -211,8 +194,8 @@ impl Node {
             Verdict::Reject(why) => anyhow::bail!("not published: {why}"),
         }
         match topic {
-            Topic::Ads => self.keep_ad(&bytes, now_us),
-            _ => self.keep_offer(&bytes, now_us),
+            Topic::Ads => self.keep(Kind::Ad, &bytes, now_us),
+            _ => self.keep(Kind::Offer, &bytes, now_us),
         }
         let (_, handed_over_us) = now();
         let published = self
