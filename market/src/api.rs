@@ -82,6 +82,24 @@ pub struct Ad {
     pub received_at_us: u64,
     /// When this node last saw the node pass a capability challenge, ms since the epoch.
     pub challenge_passed_at_ms: Option<u64>,
+    /// Signed challenge passes the ad carries.
+    pub challenge_passes: Vec<PassSummary>,
+    /// The newest pass that covers the ad's claim, from any verifier but the node itself
+    /// (this node's own checks included), ms since the epoch.
+    pub newest_pass_at_ms: Option<u64>,
+}
+
+/// One signed challenge pass in an ad.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassSummary {
+    /// Who set and checked it.
+    pub verifier: String,
+    /// Cores it was sized for.
+    pub claimed_cores: u32,
+    /// Matrix dimension.
+    pub n: u32,
+    /// When it passed, ms since the epoch.
+    pub passed_at_ms: u64,
 }
 
 impl From<&AdEntry> for Ad {
@@ -99,6 +117,17 @@ impl From<&AdEntry> for Ad {
             expires_at_ms: e.ad.expires_at.0,
             received_at_us: e.received_at_us,
             challenge_passed_at_ms: None,
+            challenge_passes: e
+                .ad
+                .passes()
+                .map(|p| PassSummary {
+                    verifier: p.verifier.to_string(),
+                    claimed_cores: p.claimed_cores,
+                    n: p.n,
+                    passed_at_ms: p.passed_at.0,
+                })
+                .collect(),
+            newest_pass_at_ms: None,
         }
     }
 }

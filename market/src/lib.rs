@@ -7,6 +7,8 @@
 //! - [`View`]: the live market a node sees, fed with gossip. It decides for each message
 //!   whether to accept (and forward), ignore, or reject (and penalize the sender): size cap,
 //!   signature, author, source, expiry, replay and staleness.
+//! - [`matching`]: an offer's task against capability ads, both the verdict and the
+//!   explanation (which requirement excluded how many ads).
 //! - [`api`]: the data the node's local API serves about it.
 //!
 //! ```
@@ -21,6 +23,8 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod api;
+pub mod matching;
+pub mod units;
 mod view;
 
 pub use view::{

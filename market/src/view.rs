@@ -393,7 +393,7 @@ mod tests {
             network: NetworkLimits::default(),
             prices: PriceSheet::default(),
             attestation: None,
-            challenge: None,
+            challenges: Vec::new(),
         };
         Signed::sign(k, &ad).to_bytes()
     }

@@ -128,10 +128,18 @@ pub(crate) struct RunArgs {
     pub(crate) testnet: bool,
 }
 
+fn duration_ms(text: &str) -> Result<u64, String> {
+    cannabis_market::units::parse_duration_ms(text).map_err(|e| e.to_string())
+}
+
 #[derive(Debug, Subcommand)]
 pub(crate) enum MarketCommand {
     /// Live capability ads.
     Ads {
+        /// Only nodes that passed a capability challenge this recently (from any verifier
+        /// but themselves, this node's own checks included), e.g. `1h`.
+        #[arg(long, value_name = "DURATION", value_parser = duration_ms)]
+        challenged_within: Option<u64>,
         #[command(flatten)]
         format: Format,
     },

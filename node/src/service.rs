@@ -71,6 +71,7 @@ pub(crate) enum Command {
     /// A challenge this node set has been checked.
     ChallengeChecked(
         api::ChallengeReport,
+        cannabis_protocol::Digest,
         oneshot::Sender<anyhow::Result<api::ChallengeReport>>,
     ),
 }
@@ -108,6 +109,11 @@ pub(crate) struct Node {
         Option<libp2p::request_response::ResponseChannel<cannabis_protocol::ChallengeResponse>>,
     /// When each node last passed a challenge this node set.
     challenge_passes: HashMap<Address, Timestamp>,
+    /// Passes other nodes signed for this one, by verifier; carried in the ad.
+    own_passes: challenge::OwnPasses,
+    /// Challenges this node answered lately: who set them, with which seed. Only a pass for
+    /// one of them is kept.
+    answered: std::collections::VecDeque<(PeerId, cannabis_protocol::Digest)>,
 }
 
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
@@ -156,6 +162,8 @@ pub async fn start(
         challenges: HashMap::new(),
         proving: None,
         challenge_passes: HashMap::new(),
+        own_passes: challenge::OwnPasses::default(),
+        answered: std::collections::VecDeque::new(),
     };
     node.restore()?;
     node.bootstrap();
@@ -190,6 +198,7 @@ impl Node {
             }
         }
         info!(kept, "market view restored from the store");
+        self.restore_passes()?;
         Ok(())
     }
 
@@ -266,6 +275,7 @@ impl Node {
                 let _ = reply.send(self.peers());
             }
             Command::Ads(reply) => {
+                let matcher = self.matching_context();
                 let ads = self
                     .view
                     .ads()
@@ -273,6 +283,7 @@ impl Node {
                         let mut ad = api::Ad::from(e);
                         ad.challenge_passed_at_ms =
                             self.challenge_passes.get(&e.ad.node).map(|t| t.0);
+                        ad.newest_pass_at_ms = matcher.newest_pass(&e.ad, &[]).map(|t| t.0);
                         ad
                     })
                     .collect();
@@ -307,7 +318,9 @@ impl Node {
             }
             Command::Challenge(peer, reply) => self.start_challenge(peer, reply),
             Command::ChallengeProved(response) => self.send_proved(response),
-            Command::ChallengeChecked(report, reply) => self.record_challenge(report, reply),
+            Command::ChallengeChecked(report, seed, reply) => {
+                self.record_challenge(report, seed, reply);
+            }
             Command::Software(software) => {
                 info!(runtimes = ?software.0, collectives = ?software.1, "runtimes probed");
                 self.software = Some(software);

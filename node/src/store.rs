@@ -6,7 +6,8 @@
 //!
 //! What is kept: the signed ads and offers of the live market view (so a restart keeps what
 //! is still valid; everything is re-verified when loaded), bids received for this node's
-//! offers, and the node's sequence counters (so a restart never reuses a sequence number).
+//! offers, challenge passes other nodes signed for this one (keyed by verifier), and the
+//! node's sequence counters (so a restart never reuses a sequence number).
 
 use std::path::Path;
 
@@ -17,6 +18,7 @@ const ADS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("ads");
 const OFFERS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("offers");
 const BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("bids");
 const COUNTERS: TableDefinition<'_, &str, u64> = TableDefinition::new("counters");
+const PASSES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("challenge_passes");
 
 /// Which gossip table.
 #[derive(Clone, Copy, Debug)]
@@ -70,6 +72,7 @@ impl Store {
         txn.open_table(OFFERS)?;
         txn.open_table(BIDS)?;
         txn.open_table(COUNTERS)?;
+        txn.open_table(PASSES)?;
         txn.commit()?;
         Ok(Self { db })
     }
@@ -131,6 +134,32 @@ impl Store {
     pub fn bids(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         let txn = self.db.begin_read()?;
         let table = txn.open_table(BIDS)?;
+        table
+            .iter()?
+            .map(|row| Ok(row?.1.value().to_vec()))
+            .collect()
+    }
+
+    /// Keeps a challenge pass for this node, replacing the one from the same verifier.
+    pub fn put_pass(&self, verifier: &[u8], signed: &[u8]) -> anyhow::Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(PASSES)?.insert(verifier, signed)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets the pass from `verifier`.
+    pub fn remove_pass(&self, verifier: &[u8]) -> anyhow::Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(PASSES)?.remove(verifier)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Every kept challenge pass, as signed bytes.
+    pub fn passes(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(PASSES)?;
         table
             .iter()?
             .map(|row| Ok(row?.1.value().to_vec()))

@@ -11,8 +11,8 @@ mod market;
 mod offer;
 
 pub use capability::{
-    Attestation, AttestationKind, CapabilityAd, ChallengeRecord, Gpu, GpuPrice, Hardware,
-    NetworkLimits, OsInfo, PriceSheet,
+    Attestation, AttestationKind, CapabilityAd, ChallengePass, Gpu, GpuPrice, Hardware,
+    MAX_AD_PASSES, NetworkLimits, OsInfo, PriceSheet,
 };
 pub use delivery::{
     COMPUTE_RESULT_DOMAIN, ComputeResult, ComputeResultError, DeliveryManifest, EvaluationReport,

@@ -113,7 +113,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         network: NetworkLimits::default(),
         prices: PriceSheet::default(),
         attestation: None,
-        challenge: None,
+        challenges: Vec::new(),
     };
     let (ad, ad_len) = transmit(&worker, &ad)?;
     step(

@@ -12,27 +12,42 @@ pub(super) fn run(command: MarketCommand, data_dir: &Path) -> anyhow::Result<()>
     let now_ms = super::now_ms();
     let left = |at_ms: u64| format!("{} s", at_ms.saturating_sub(now_ms) / 1000);
     match command {
-        MarketCommand::Ads { format } => {
-            let ads = client.ads()?;
+        MarketCommand::Ads {
+            challenged_within,
+            format,
+        } => {
+            let mut ads = client.ads()?;
+            if let Some(within) = challenged_within {
+                ads.retain(|a| {
+                    a.newest_pass_at_ms
+                        .is_some_and(|t| now_ms.saturating_sub(t) <= within)
+                });
+            }
             if format.json {
                 return output::json(&ads);
             }
             out!(
-                "{:<62} {:>5} {:>9} {:>4} {:>10}",
+                "{:<62} {:>5} {:>9} {:>4} {:>10} {:>12}",
                 "node",
                 "cores",
                 "memory",
                 "gpus",
-                "expires in"
+                "expires in",
+                "challenged"
             )?;
             for a in &ads {
+                let challenged = a.newest_pass_at_ms.map_or_else(
+                    || "never".to_string(),
+                    |t| format!("{} s ago", now_ms.saturating_sub(t) / 1000),
+                );
                 out!(
-                    "{:<62} {:>5} {:>6} GiB {:>4} {:>10}",
+                    "{:<62} {:>5} {:>6} GiB {:>4} {:>10} {:>12}",
                     a.node,
                     a.cpu_cores,
                     a.memory_bytes >> 30,
                     a.gpus,
-                    left(a.expires_at_ms)
+                    left(a.expires_at_ms),
+                    challenged
                 )?;
             }
             out!("{} ads", ads.len())?;

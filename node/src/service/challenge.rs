@@ -1,12 +1,18 @@
 //! The capability challenge over the network: answering one (proving off the driver
 //! thread, one at a time) and setting one to a peer, sized from its ad and verified off the
-//! driver thread.
+//! driver thread. A verifier that saw a pass signs a [`ChallengePass`] and sends it to the
+//! worker, which keeps it (durably) and carries it in its ads.
 
 use std::time::Instant;
 
 use cannabis_market::api::ChallengeReport;
 use cannabis_protocol::challenge::{Challenge, Claim, Sizing};
-use cannabis_protocol::{ChallengeRequest, ChallengeResponse, Digest, Timestamp};
+use std::collections::BTreeMap;
+
+use cannabis_protocol::{
+    Address, ChallengePass, ChallengeRequest, ChallengeResponse, Digest, MAX_AD_PASSES,
+    MarketRequest, Signed, Timestamp,
+};
 use libp2p::PeerId;
 use libp2p::request_response::{Event, Message};
 use tokio::sync::oneshot;
@@ -23,6 +29,12 @@ pub(crate) struct Pending {
     sent: Instant,
     reply: oneshot::Sender<anyhow::Result<ChallengeReport>>,
 }
+
+/// How many answered challenges are remembered, waiting for their pass.
+const ANSWERED_KEPT: usize = 8;
+
+/// Passes other nodes signed for this one, by verifier.
+pub(crate) type OwnPasses = BTreeMap<Address, (Signed<ChallengePass>, ChallengePass)>;
 
 fn random_digest() -> anyhow::Result<Digest> {
     Ok(Digest(*crate::keystore::random_bytes::<32>()?))
@@ -141,6 +153,10 @@ impl Node {
         };
         info!(%peer, n = challenge.n, rounds = challenge.rounds, "answering a challenge");
         self.proving = Some(channel);
+        if self.answered.len() == ANSWERED_KEPT {
+            self.answered.pop_front();
+        }
+        self.answered.push_back((peer, challenge.seed));
         let tx = self.self_tx.clone();
         tokio::task::spawn_blocking(move || {
             let threads = cannabis_runtime::challenge::available_threads();
@@ -166,6 +182,7 @@ impl Node {
     fn check_answer(&mut self, peer: PeerId, pending: Pending, response: ChallengeResponse) {
         let took = pending.sent.elapsed();
         let address = swarm::address_of(&peer);
+        let seed = pending.challenge.seed;
         let tx = self.self_tx.clone();
         tokio::task::spawn_blocking(move || {
             let sizing = pending.sizing;
@@ -198,23 +215,133 @@ impl Node {
                 passed: verdict.is_ok(),
                 failure: verdict.err(),
             };
-            let _ = tx.blocking_send(Command::ChallengeChecked(report, pending.reply));
+            let _ = tx.blocking_send(Command::ChallengeChecked(report, seed, pending.reply));
         });
     }
 
-    /// Records a verified challenge and answers whoever asked for it.
+    /// Records a verified challenge, sends the worker a signed pass if it passed, and
+    /// answers whoever asked for it.
     pub(super) fn record_challenge(
         &mut self,
         report: ChallengeReport,
+        seed: Digest,
         reply: oneshot::Sender<anyhow::Result<ChallengeReport>>,
     ) {
         if report.passed
-            && let Ok(address) = report.address.parse()
+            && let Ok(worker) = report.address.parse::<Address>()
+            && let Ok(peer) = report.peer_id.parse::<PeerId>()
         {
-            self.challenge_passes.insert(address, now().0);
+            let passed_at = now().0;
+            self.challenge_passes.insert(worker, passed_at);
+            let pass = ChallengePass {
+                verifier: self.address,
+                worker,
+                seed,
+                n: report.n,
+                rounds: report.rounds,
+                claimed_cores: report.claimed_cores,
+                took_ms: report.took_ms,
+                deadline_ms: report.deadline_ms,
+                passed_at,
+            };
+            let signed = Signed::sign(&self.keys.signing, &pass);
+            // Fire and forget: the worker's answer only says whether it kept the pass.
+            self.swarm
+                .behaviour_mut()
+                .market
+                .send_request(&peer, MarketRequest::ChallengePass(signed));
         }
         info!(peer = %report.peer_id, passed = report.passed, took_ms = report.took_ms,
               deadline_ms = report.deadline_ms, "challenge checked");
         let _ = reply.send(Ok(report));
+    }
+}
+
+impl Node {
+    /// A pass a verifier sent: kept when it verifies, names this node, and answers a
+    /// challenge this node answered for that peer with that seed. The next ad carries it.
+    pub(super) fn take_pass(
+        &mut self,
+        peer: PeerId,
+        signed: Signed<ChallengePass>,
+    ) -> Result<(), String> {
+        let verified = signed.verify().map_err(|e| e.to_string())?;
+        let pass = verified.body;
+        if pass.worker != self.address {
+            return Err("the pass names another worker".into());
+        }
+        if swarm::address_of(&peer) != Some(pass.verifier) {
+            return Err("a pass is taken only from its verifier".into());
+        }
+        if !self.answered.contains(&(peer, pass.seed)) {
+            return Err("this node answered no such challenge for you".into());
+        }
+        self.answered.retain(|a| a != &(peer, pass.seed));
+        self.store
+            .put_pass(pass.verifier.to_string().as_bytes(), &signed.to_bytes())
+            .map_err(|e| format!("cannot keep the pass: {e:#}"))?;
+        info!(verifier = %pass.verifier, n = pass.n, "challenge pass received");
+        self.own_passes.insert(pass.verifier, (signed, pass));
+        self.prune_passes();
+        if let Err(e) = self.publish_ad() {
+            warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
+        }
+        Ok(())
+    }
+
+    /// Keeps the newest [`MAX_AD_PASSES`] passes, in memory and in the store.
+    fn prune_passes(&mut self) {
+        while self.own_passes.len() > MAX_AD_PASSES {
+            let oldest = self
+                .own_passes
+                .iter()
+                .min_by_key(|(_, (_, p))| p.passed_at)
+                .map(|(v, _)| *v);
+            let Some(oldest) = oldest else { break };
+            self.own_passes.remove(&oldest);
+            if let Err(e) = self.store.remove_pass(oldest.to_string().as_bytes()) {
+                warn!(error = %format!("{e:#}"), "store");
+            }
+        }
+    }
+
+    /// The passes the next ad carries: those sized for at least the cores it claims.
+    pub(super) fn passes_for_ad(&self, cpu_cores: u32) -> Vec<Signed<ChallengePass>> {
+        self.own_passes
+            .values()
+            .filter(|(_, p)| p.claimed_cores >= cpu_cores)
+            .map(|(s, _)| s.clone())
+            .collect()
+    }
+
+    /// Loads the kept passes, re-verified; drops any that no longer hold.
+    pub(super) fn restore_passes(&mut self) -> anyhow::Result<()> {
+        for bytes in self.store.passes()? {
+            let kept = Signed::<ChallengePass>::from_bytes(&bytes)
+                .ok()
+                .and_then(|s| Some((s.verify().ok()?.body, s)))
+                .filter(|(p, _)| p.worker == self.address);
+            match kept {
+                Some((pass, signed)) => {
+                    self.own_passes.insert(pass.verifier, (signed, pass));
+                }
+                None => warn!("a kept challenge pass no longer verifies; ignored"),
+            }
+        }
+        self.prune_passes();
+        Ok(())
+    }
+
+    /// What matching needs besides the ads: now, this node, and the checks it made.
+    pub(super) fn matching_context(&self) -> cannabis_market::matching::Context {
+        cannabis_market::matching::Context {
+            now: now().0,
+            me: Some(self.address),
+            local_passes: self
+                .challenge_passes
+                .iter()
+                .map(|(a, t)| (*a, *t))
+                .collect(),
+        }
     }
 }

@@ -92,6 +92,13 @@ impl Node {
                     refused(reason)
                 }
             },
+            MarketRequest::ChallengePass(pass) => match self.take_pass(peer, pass) {
+                Ok(()) => MarketResponse::Ack,
+                Err(reason) => {
+                    info!(%peer, %reason, "challenge pass refused");
+                    refused(reason)
+                }
+            },
             other => {
                 let kind = match other {
                     MarketRequest::Decline(_) => "declines",
@@ -99,7 +106,9 @@ impl Node {
                     MarketRequest::LeaseAccept(_) => "lease acceptances",
                     MarketRequest::LeaseRenewal(_) => "lease renewals",
                     MarketRequest::Cancel(_) => "cancellations",
-                    MarketRequest::Bid(_) | MarketRequest::Ping { .. } => "requests",
+                    MarketRequest::Bid(_)
+                    | MarketRequest::Ping { .. }
+                    | MarketRequest::ChallengePass(_) => "requests",
                 };
                 refused(format!(
                     "this node does not take {kind} yet (no market state for them)"

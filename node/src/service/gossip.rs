@@ -117,6 +117,7 @@ impl Node {
         }
         let mut hardware = host.hardware;
         hardware.gpus = gpus;
+        let challenges = self.passes_for_ad(hardware.cpu_cores);
         let (runtimes, collectives) = self.software.clone().unwrap_or_default();
         let ad = CapabilityAd {
             node: self.address,
@@ -133,7 +134,7 @@ impl Node {
             network: owner.network,
             prices: owner.prices,
             attestation: None,
-            challenge: None,
+            challenges,
         };
         let bytes = Signed::sign(&self.keys.signing, &ad).to_bytes();
         self.publish(Topic::Ads, bytes, now_us)?;

@@ -328,7 +328,8 @@ async fn a_node_challenges_a_peer_over_the_network() {
     config.challenge.min_deadline_ms = 60_000;
     let a = net::start_with(&dir.path().join("a"), config).await;
     let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
-    net::wait_converged(&[&a, &b], 2).await;
+    let c = net::start(&dir.path().join("c"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b, &c], 3).await;
     let report = a.handle.challenge(b.handle.peer_id()).await.unwrap();
     assert!(report.passed, "{report:?}");
     assert_eq!(report.address, b.handle.address().to_string());
@@ -339,10 +340,75 @@ async fn a_node_challenges_a_peer_over_the_network() {
     let ads = a.handle.ads().await.unwrap();
     let ad = ads.iter().find(|ad| ad.node == report.address).unwrap();
     assert!(ad.challenge_passed_at_ms.is_some());
+    // The worker got a pass signed by the verifier and carries it in its next ad, so a node
+    // that set no challenge sees it too.
+    let verifier = a.handle.address().to_string();
+    let worker = report.address.clone();
+    let pass_seen = |node: &TestNode| {
+        let (h, verifier, worker) = (node.handle.clone(), verifier.clone(), worker.clone());
+        net::wait_for(
+            Duration::from_secs(30),
+            "the pass in the worker's ad",
+            move || {
+                let (h, verifier, worker) = (h.clone(), verifier.clone(), worker.clone());
+                async move {
+                    let ads = h.ads().await.ok()?;
+                    let ad = ads.into_iter().find(|ad| ad.node == worker)?;
+                    ad.challenge_passes
+                        .iter()
+                        .any(|p| p.verifier == verifier)
+                        .then_some(ad)
+                }
+            },
+        )
+    };
+    let seen = pass_seen(&c).await;
+    assert_eq!(seen.challenge_passes[0].n, 128);
+    assert!(
+        seen.challenge_passed_at_ms.is_none(),
+        "c set no challenge itself"
+    );
+    assert!(seen.newest_pass_at_ms.is_some());
+    // A pass for a challenge the worker never answered is refused.
+    let forged = cannabis_protocol::ChallengePass {
+        verifier: c.handle.address(),
+        worker: b.handle.address(),
+        seed: cannabis_protocol::Digest([1; 32]),
+        n: 128,
+        rounds: 1,
+        claimed_cores: 64,
+        took_ms: 1,
+        deadline_ms: 1,
+        passed_at: cannabis_protocol::Timestamp(1),
+    };
+    let c_keys = cannabis_node::keystore::load(&cannabis_node::keystore::KeyPaths::new(
+        &dir.path().join("c"),
+    ))
+    .unwrap();
+    let answer = c
+        .handle
+        .market(
+            b.handle.peer_id(),
+            MarketRequest::ChallengePass(Signed::sign(&c_keys.signing, &forged)),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(&answer, MarketResponse::Refused { reason } if reason.contains("no such challenge")),
+        "{answer:?}"
+    );
     // A peer without an ad cannot be checked against a claim.
     let unknown = libp2p::PeerId::random();
     let err = a.handle.challenge(unknown).await.unwrap_err().to_string();
     assert!(err.contains("no capability ad"), "{err}");
+    // The worker keeps its pass across a restart.
     b.stop().await;
+    let b = net::start(&dir.path().join("b"), None).await;
+    b.handle.publish_ad().await.unwrap();
+    let own = b.handle.ads().await.unwrap();
+    let own = own.iter().find(|ad| ad.node == worker).unwrap();
+    assert_eq!(own.challenge_passes.len(), 1, "{own:?}");
+    b.stop().await;
+    c.stop().await;
     a.stop().await;
 }

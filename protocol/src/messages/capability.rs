@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{AdapterKind, Collective, GpuVendor, IsolationLayer, Runtime, wire};
-use crate::{Address, Amount, DeliveryRecipient, Digest, Invalid, Message, Timestamp};
+use crate::{Address, Amount, DeliveryRecipient, Digest, Invalid, Message, Signed, Timestamp};
 
 /// A worker's signed advertisement of its verified capabilities and prices.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,9 +37,19 @@ pub struct CapabilityAd {
     pub prices: PriceSheet,
     /// Confidential-execution evidence, if any.
     pub attestation: Option<Attestation>,
-    /// The last passed capability challenge, if any.
-    pub challenge: Option<ChallengeRecord>,
+    /// Capability challenges this node passed, each signed by the verifier that set it
+    /// (at most [`MAX_AD_PASSES`], one per verifier, newest kept).
+    #[cfg_attr(
+        feature = "arbitrary",
+        proptest(
+            strategy = "proptest::collection::vec(proptest::arbitrary::any::<Signed<ChallengePass>>(), 0..3)"
+        )
+    )]
+    pub challenges: Vec<Signed<ChallengePass>>,
 }
+
+/// Most challenge passes one ad carries.
+pub const MAX_AD_PASSES: usize = 4;
 
 /// Probed hardware of a node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,18 +165,66 @@ pub struct Attestation {
     pub evidence: Vec<u8>,
 }
 
-/// Record of the last capability challenge this node passed.
+/// A verifier's signed statement that a worker passed a capability challenge it set. The
+/// worker carries it in its ads so that nodes which did not set the challenge can weigh it;
+/// it is worth what the verifier is worth to them (see `docs/security.md`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
-pub struct ChallengeRecord {
-    /// Who set and checked the challenge.
+pub struct ChallengePass {
+    /// Who set and checked the challenge; must be the signer.
     pub verifier: Address,
+    /// The node that answered it.
+    pub worker: Address,
     /// The seed the verifier picked.
     pub seed: Digest,
-    /// Matrix dimension of the challenge.
-    pub size: u32,
-    /// When it was passed.
+    /// Matrix dimension.
+    pub n: u32,
+    /// Products summed.
+    pub rounds: u32,
+    /// CPU cores the worker's ad claimed; the challenge was sized from them.
+    pub claimed_cores: u32,
+    /// Milliseconds from sending the challenge to receiving the answer.
+    pub took_ms: u64,
+    /// The deadline the answer had to meet, in milliseconds.
+    pub deadline_ms: u64,
+    /// When the verifier accepted the answer.
     pub passed_at: Timestamp,
+}
+
+wire!(ChallengePass, "challenge pass", 512);
+
+impl Message for ChallengePass {
+    const DOMAIN: &'static str = "cannabis/challenge-pass/v1";
+
+    fn claimed_signer(&self) -> Option<&Address> {
+        Some(&self.verifier)
+    }
+
+    fn validate(&self) -> Result<(), Invalid> {
+        if self.verifier == self.worker {
+            return Err(Invalid::new("worker", "a node cannot vouch for itself"));
+        }
+        if self.n == 0 || self.rounds == 0 || self.claimed_cores == 0 {
+            return Err(Invalid::new(
+                "n",
+                "n, rounds and claimed_cores must be positive",
+            ));
+        }
+        if self.took_ms > self.deadline_ms {
+            return Err(Invalid::new("took_ms", "a pass must meet its deadline"));
+        }
+        Ok(())
+    }
+}
+
+impl CapabilityAd {
+    /// The contents of the challenge passes the ad carries. Their signatures are checked with
+    /// the ad (in [`Message::validate`]); this only reads them.
+    pub fn passes(&self) -> impl Iterator<Item = ChallengePass> + '_ {
+        self.challenges
+            .iter()
+            .filter_map(|s| crate::decode(s.payload()).ok())
+    }
 }
 
 wire!(CapabilityAd, "capability ad", 16 * 1024);
@@ -181,6 +239,21 @@ impl Message for CapabilityAd {
     fn validate(&self) -> Result<(), Invalid> {
         if self.expires_at <= self.issued_at {
             return Err(Invalid::new("expires_at", "must be after issued_at"));
+        }
+        if self.challenges.len() > MAX_AD_PASSES {
+            return Err(Invalid::new("challenges", "at most 4 passes"));
+        }
+        let mut verifiers = std::collections::BTreeSet::new();
+        for pass in &self.challenges {
+            let pass = pass
+                .verify()
+                .map_err(|e| Invalid::new("challenges", format!("a pass does not verify: {e}")))?;
+            if pass.body.worker != self.node {
+                return Err(Invalid::new("challenges", "a pass names another worker"));
+            }
+            if !verifiers.insert(pass.signer) {
+                return Err(Invalid::new("challenges", "two passes from one verifier"));
+            }
         }
         Ok(())
     }

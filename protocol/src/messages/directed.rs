@@ -3,7 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Award, Bid, Cancel, CapabilityAd, Decline, JobOffer, LeaseAccept, LeaseRenewal, wire};
+use super::{
+    Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, JobOffer, LeaseAccept, LeaseRenewal,
+    wire,
+};
 use crate::{Address, Signed, Uuid};
 
 /// A request of the market protocol (`/cannabis/market/1`).
@@ -23,6 +26,8 @@ pub enum MarketRequest {
     LeaseRenewal(Signed<LeaseRenewal>),
     /// A cancellation, to every rank.
     Cancel(Signed<Cancel>),
+    /// A capability challenge pass, from the verifier to the worker that earned it.
+    ChallengePass(Signed<ChallengePass>),
     /// A round-trip probe; answered with the same nonce.
     Ping {
         /// Echoed back.

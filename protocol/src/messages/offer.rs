@@ -189,6 +189,8 @@ pub struct Requirements {
     pub confidential: bool,
     /// Oldest acceptable passed capability challenge, in milliseconds; `None` if not needed.
     pub max_challenge_age_ms: Option<u64>,
+    /// Verifiers whose challenge passes count; empty means any node but the worker itself.
+    pub challenge_verifiers: Vec<Address>,
 }
 
 /// A runtime and its least version.

@@ -432,3 +432,96 @@ fn awards_for_groups_list_the_worker_at_its_rank() {
             .is_err()
     );
 }
+
+fn ad_of(k: &Keypair) -> CapabilityAd {
+    CapabilityAd {
+        node: k.address(),
+        seq: 1,
+        issued_at: Timestamp(1_000),
+        expires_at: Timestamp(2_000),
+        delivery: DeliveryIdentity::from_secret([1; 32]).recipient(),
+        hardware: Hardware {
+            cpu_model: "cpu".into(),
+            cpu_cores: 2,
+            memory_bytes: 1 << 30,
+            swap_bytes: 0,
+            storage_bytes: 1 << 30,
+            gpus: Vec::new(),
+        },
+        os: OsInfo {
+            name: "linux".into(),
+            kernel: "6".into(),
+        },
+        runtimes: Vec::new(),
+        adapters: vec![AdapterKind::Synthetic],
+        collectives: Vec::new(),
+        isolation: Vec::new(),
+        network: NetworkLimits::default(),
+        prices: PriceSheet::default(),
+        attestation: None,
+        challenges: Vec::new(),
+    }
+}
+
+fn pass_for(verifier: &Keypair, worker: &Address) -> ChallengePass {
+    ChallengePass {
+        verifier: verifier.address(),
+        worker: *worker,
+        seed: Digest([7; 32]),
+        n: 256,
+        rounds: 3,
+        claimed_cores: 2,
+        took_ms: 900,
+        deadline_ms: 1000,
+        passed_at: Timestamp(1_500),
+    }
+}
+
+fn ad_error(worker: &Keypair, ad: &CapabilityAd) -> String {
+    match Signed::sign(worker, ad).verify() {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn challenge_passes_in_an_ad_are_checked() {
+    let worker = keys(1);
+    let mut ad = ad_of(&worker);
+    ad.challenges = vec![Signed::sign(
+        &keys(2),
+        &pass_for(&keys(2), &worker.address()),
+    )];
+    assert_eq!(ad_error(&worker, &ad), "");
+
+    // A pass earned by another node.
+    ad.challenges = vec![Signed::sign(
+        &keys(2),
+        &pass_for(&keys(2), &keys(3).address()),
+    )];
+    assert!(ad_error(&worker, &ad).contains("names another worker"));
+
+    // A pass whose signature is not the verifier's.
+    let (payload, _, signature) =
+        Signed::sign(&keys(2), &pass_for(&keys(2), &worker.address())).into_parts();
+    let (_, other_key, _) =
+        Signed::sign(&keys(4), &pass_for(&keys(4), &worker.address())).into_parts();
+    ad.challenges = vec![Signed::from_parts(payload, other_key, signature)];
+    assert!(ad_error(&worker, &ad).contains("does not verify"));
+
+    // Two from one verifier, or more than four.
+    let p = Signed::sign(&keys(2), &pass_for(&keys(2), &worker.address()));
+    ad.challenges = vec![p.clone(), p];
+    assert!(ad_error(&worker, &ad).contains("two passes from one verifier"));
+    ad.challenges = (2..7)
+        .map(|n| Signed::sign(&keys(n), &pass_for(&keys(n), &worker.address())))
+        .collect();
+    assert!(ad_error(&worker, &ad).contains("at most 4"));
+
+    // A node cannot vouch for itself, and a late answer is no pass.
+    let own = pass_for(&worker, &worker.address());
+    assert!(Signed::sign(&worker, &own).verify().is_err());
+    let mut late = pass_for(&keys(2), &worker.address());
+    late.took_ms = 1001;
+    assert!(Signed::sign(&keys(2), &late).verify().is_err());
+}

@@ -69,6 +69,7 @@ fn protocol_doc_names_every_field_and_variant() {
     names_of::<CapabilityAd>(&mut runner, &mut fields);
     names_of::<JobOffer>(&mut runner, &mut fields);
     names_of::<Bid>(&mut runner, &mut fields);
+    names_of::<ChallengePass>(&mut runner, &mut fields);
     names_of::<Decline>(&mut runner, &mut fields);
     names_of::<Award>(&mut runner, &mut fields);
     names_of::<LeaseAccept>(&mut runner, &mut fields);
@@ -114,6 +115,7 @@ fn protocol_doc_names_every_field_and_variant() {
         <CapabilityAd as Message>::DOMAIN,
         <JobOffer as Message>::DOMAIN,
         <Bid as Message>::DOMAIN,
+        <ChallengePass as Message>::DOMAIN,
         <Decline as Message>::DOMAIN,
         <Award as Message>::DOMAIN,
         <LeaseAccept as Message>::DOMAIN,

@@ -85,6 +85,7 @@ wire_properties! {
     capability_ad: CapabilityAd, 48;
     job_offer: JobOffer, 32;
     bid: Bid, 128;
+    challenge_pass: ChallengePass, 128;
     decline: Decline, 128;
     award: Award, 64;
     lease_accept: LeaseAccept, 128;
@@ -159,6 +160,7 @@ tamper_properties! {
     tamper_capability_ad: CapabilityAd;
     tamper_job_offer: JobOffer;
     tamper_bid: Bid;
+    tamper_challenge_pass: ChallengePass;
     tamper_decline: Decline;
     tamper_award: Award;
     tamper_lease_accept: LeaseAccept;
