@@ -9,6 +9,13 @@
 //!   signature, author, source, expiry, replay and staleness.
 //! - [`matching`]: an offer's task against capability ads, both the verdict and the
 //!   explanation (which requirement excluded how many ads).
+//! - [`quote`]: a worker's owner policy and price against an offer: bid, decline or stay
+//!   silent.
+//! - [`placement`]: the cheapest bids that satisfy a task, whole-job or a gang of `k`.
+//! - [`job`]: the requester's state machine for one job: bids, placement, leases with
+//!   epochs, renewals, retries within the budget, cancellation, task graphs.
+//! - [`lease`]: the worker's side of leases.
+//! - [`spec`]: the job file.
 //! - [`api`]: the data the node's local API serves about it.
 //!
 //! ```
@@ -23,7 +30,13 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod api;
+pub mod job;
+pub mod lease;
 pub mod matching;
+pub mod placement;
+pub mod quote;
+pub mod spec;
+pub mod testkit;
 pub mod units;
 mod view;
 

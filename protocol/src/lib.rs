@@ -60,5 +60,5 @@ pub use money::{
     Amount, BPS_DENOMINATOR, FOUNDER_FEE_BPS, FeeTerms, MoneyError, Outcome, PPM_DENOMINATOR,
     Quote, Split, fee_on,
 };
-pub use signed::{ENVELOPE_OVERHEAD, OpenError, Signed, Verified, signing_input};
+pub use signed::{ENVELOPE_OVERHEAD, OpenError, Signed, Verified, message_id, signing_input};
 pub use types::{Fixed, Timestamp, Uuid, UuidError};

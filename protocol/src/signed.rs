@@ -65,6 +65,13 @@ pub struct Verified<T> {
     pub id: Digest,
 }
 
+/// The id a message will have once signed, by anyone: SHA-256 of `T::DOMAIN || 0x00 ||`
+/// its canonical payload. Lets the sans-IO market refer to the awards it asks the node to
+/// sign.
+pub fn message_id<T: Message>(body: &T) -> Digest {
+    Digest::of_parts(&[T::DOMAIN.as_bytes(), &[0], &codec::encode(body)])
+}
+
 /// The bytes an ed25519 signature covers: `domain || 0x00 || payload`.
 pub fn signing_input(domain: &str, payload: &[u8]) -> Vec<u8> {
     let mut input = Vec::with_capacity(domain.len() + 1 + payload.len());

@@ -1,0 +1,873 @@
+//! The job file: what a requester writes (TOML, documented in `docs/requester-guide.md`),
+//! parsed and checked into an [`OfferTemplate`]. Parsing is pure: inputs given by path are
+//! returned as [`Source::Path`] and the caller hashes the files ([`JobSpec::resolve`]).
+//!
+//! Every error names the field (`task[1].resources.memory`) and says how to fix it.
+
+use std::collections::BTreeMap;
+
+use cannabis_protocol::{
+    AcceptanceMetric, AdapterKind, Address, Amount, Collective, Comparison, Digest, Fixed,
+    GpuVendor, InputRef, IsolationLayer, OutputDecl, OutputRights, Requirements, Resources,
+    RuntimeRequirement, TaskInput, TaskSpec, Workload, is_safe_name,
+};
+use serde::Deserialize;
+
+use crate::api::OfferTemplate;
+use crate::units::{parse_duration_ms, parse_size};
+
+/// Default time bids are taken.
+pub const DEFAULT_BID_WINDOW_MS: u64 = 30_000;
+/// Default review window.
+pub const DEFAULT_REVIEW_WINDOW_MS: u64 = 3_600_000;
+
+/// A job file that does not hold up.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct SpecError {
+    /// Where, e.g. `task[0].resources.memory`.
+    pub field: String,
+    /// What is wrong and how to fix it.
+    pub problem: String,
+}
+
+fn err(field: impl Into<String>, problem: impl Into<String>) -> SpecError {
+    SpecError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+/// Where a workload bundle or an input comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Pinned by the requester.
+    Digest {
+        /// SHA-256 of the content.
+        digest: Digest,
+        /// Size in bytes.
+        size_bytes: u64,
+    },
+    /// A local file; the caller hashes it.
+    Path(String),
+}
+
+/// A parsed, checked job file, waiting for its local files to be hashed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobSpec {
+    /// A name for people.
+    pub name: String,
+    /// Total budget in base units, fee included.
+    pub budget: Amount,
+    /// Results due this long after submission.
+    pub deadline_ms: u64,
+    /// Bids are taken this long.
+    pub bid_window_ms: u64,
+    /// Review window.
+    pub review_window_ms: u64,
+    /// Acceptance metrics.
+    pub acceptance: Vec<AcceptanceMetric>,
+    /// The tasks, with their sources still to resolve.
+    pub tasks: Vec<TaskDraft>,
+}
+
+/// One task of a [`JobSpec`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskDraft {
+    /// The task with every digest that is already known; sources below fill the rest.
+    pub task: TaskSpec,
+    /// Where the workload bundle comes from.
+    pub bundle: Source,
+    /// For each staged input (by position in `task.inputs`), where it comes from.
+    pub inputs: Vec<(usize, Source)>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJob {
+    #[serde(default)]
+    name: Option<String>,
+    budget: Option<u64>,
+    deadline: String,
+    #[serde(default)]
+    bid_window: Option<String>,
+    #[serde(default)]
+    review_window: Option<String>,
+    #[serde(default)]
+    acceptance: Vec<RawMetric>,
+    #[serde(default, rename = "task")]
+    tasks: Vec<RawTask>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMetric {
+    metric: String,
+    #[serde(default)]
+    at_least: Option<f64>,
+    #[serde(default)]
+    at_most: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTask {
+    name: String,
+    #[serde(default)]
+    budget: Option<u64>,
+    #[serde(default = "one")]
+    group_size: u32,
+    #[serde(default)]
+    depends_on: Vec<String>,
+    workload: RawWorkload,
+    #[serde(default)]
+    resources: RawResources,
+    #[serde(default)]
+    requirements: RawRequirements,
+    #[serde(default)]
+    inputs: Vec<RawInput>,
+    #[serde(default)]
+    outputs: Vec<RawOutput>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWorkload {
+    adapter: AdapterKind,
+    #[serde(default)]
+    digest: Option<String>,
+    #[serde(default)]
+    bundle: Option<String>,
+    #[serde(default)]
+    entrypoint: Vec<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawResources {
+    #[serde(default)]
+    cpu: Option<toml::Value>,
+    #[serde(default)]
+    memory: Option<String>,
+    #[serde(default)]
+    swap: Option<String>,
+    #[serde(default)]
+    processes: Option<u32>,
+    #[serde(default)]
+    storage: Option<String>,
+    #[serde(default)]
+    gpus: u32,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRequirements {
+    #[serde(default)]
+    gpu_vendor: Option<GpuVendor>,
+    #[serde(default)]
+    gpu_memory: Option<String>,
+    #[serde(default)]
+    runtimes: BTreeMap<String, String>,
+    #[serde(default)]
+    collectives: Vec<Collective>,
+    #[serde(default)]
+    isolation: Vec<IsolationLayer>,
+    #[serde(default)]
+    confidential: bool,
+    #[serde(default)]
+    challenge_max_age: Option<String>,
+    #[serde(default)]
+    challenge_verifiers: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInput {
+    name: String,
+    #[serde(default)]
+    path: Option<String>,
+    #[serde(default)]
+    digest: Option<String>,
+    #[serde(default)]
+    size: Option<String>,
+    #[serde(default)]
+    from: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOutput {
+    name: String,
+    max_size: String,
+    #[serde(default = "exclusive")]
+    rights: OutputRights,
+}
+
+fn exclusive() -> OutputRights {
+    OutputRights::Exclusive
+}
+
+/// Default resources of a rank when the file says nothing.
+const DEFAULT_CPU_MILLICORES: u32 = 1000;
+const DEFAULT_MEMORY: u64 = 1 << 30;
+const DEFAULT_STORAGE: u64 = 1 << 30;
+const DEFAULT_PROCESSES: u32 = 256;
+
+impl JobSpec {
+    /// Parses and checks a job file.
+    pub fn parse(text: &str) -> Result<Self, SpecError> {
+        let raw: RawJob = toml::from_str(text).map_err(|e| {
+            let field = e
+                .span()
+                .map(|s| format!("line {}", text[..s.start].lines().count().max(1)))
+                .unwrap_or_else(|| "file".into());
+            err(field, e.message().to_string())
+        })?;
+        Self::check(raw)
+    }
+
+    fn check(raw: RawJob) -> Result<Self, SpecError> {
+        let duration =
+            |field: &str, v: &str| parse_duration_ms(v).map_err(|e| err(field, e.to_string()));
+        let deadline_ms = duration("deadline", &raw.deadline)?;
+        let bid_window_ms = match &raw.bid_window {
+            Some(v) => duration("bid_window", v)?,
+            None => DEFAULT_BID_WINDOW_MS,
+        };
+        let review_window_ms = match &raw.review_window {
+            Some(v) => duration("review_window", v)?,
+            None => DEFAULT_REVIEW_WINDOW_MS,
+        };
+        if bid_window_ms == 0 {
+            return Err(err("bid_window", "must be longer than 0 (e.g. \"30s\")"));
+        }
+        if deadline_ms <= bid_window_ms {
+            return Err(err(
+                "deadline",
+                "must be after the bid window ends: make the deadline longer or the bid window shorter",
+            ));
+        }
+        if raw.tasks.is_empty() {
+            return Err(err("task", "a job needs at least one [[task]]"));
+        }
+        let mut names: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut tasks = Vec::with_capacity(raw.tasks.len());
+        for (i, t) in raw.tasks.iter().enumerate() {
+            let draft = check_task(i, t, &names, &tasks, raw.tasks.len(), raw.budget)?;
+            if names.insert(t.name.as_str(), i).is_some() {
+                return Err(err(
+                    format!("task[{i}].name"),
+                    format!(
+                        "{:?} is used by an earlier task; names must be unique",
+                        t.name
+                    ),
+                ));
+            }
+            tasks.push(draft);
+        }
+        let sum = Amount::sum(tasks.iter().map(|t: &TaskDraft| &t.task.budget))
+            .map_err(|_| err("budget", "task budgets overflow"))?;
+        let budget = match raw.budget {
+            Some(b) if b != sum.0 => {
+                return Err(err(
+                    "budget",
+                    format!("is {b} but the task budgets add up to {sum}: make them agree"),
+                ));
+            }
+            _ => sum,
+        };
+        if budget.0 == 0 {
+            return Err(err("budget", "must be more than 0 base units"));
+        }
+        let acceptance = raw
+            .acceptance
+            .iter()
+            .enumerate()
+            .map(|(i, m)| check_metric(i, m))
+            .collect::<Result<_, _>>()?;
+        Ok(JobSpec {
+            name: raw.name.unwrap_or_else(|| raw.tasks[0].name.clone()),
+            budget,
+            deadline_ms,
+            bid_window_ms,
+            review_window_ms,
+            acceptance,
+            tasks,
+        })
+    }
+
+    /// Fills in the digests of local files with `hash(path) -> (digest, size)` and returns
+    /// what the node publishes.
+    pub fn resolve<E>(
+        &self,
+        mut hash: impl FnMut(&str) -> Result<(Digest, u64), E>,
+    ) -> Result<OfferTemplate, (String, E)> {
+        let mut tasks = Vec::with_capacity(self.tasks.len());
+        for (i, draft) in self.tasks.iter().enumerate() {
+            let mut task = draft.task.clone();
+            if let Source::Path(p) = &draft.bundle {
+                task.workload.digest = hash(p)
+                    .map_err(|e| (format!("task[{i}].workload.bundle"), e))?
+                    .0;
+            }
+            for (at, source) in &draft.inputs {
+                let (digest, size_bytes) = match source {
+                    Source::Digest { digest, size_bytes } => (*digest, *size_bytes),
+                    Source::Path(p) => {
+                        hash(p).map_err(|e| (format!("task[{i}].inputs[{at}].path"), e))?
+                    }
+                };
+                if let Some(TaskInput::Staged(r)) = task.inputs.get_mut(*at) {
+                    r.digest = digest;
+                    r.size_bytes = size_bytes;
+                }
+            }
+            tasks.push(task);
+        }
+        Ok(OfferTemplate {
+            job_id: None,
+            tasks,
+            ttl_ms: self.bid_window_ms,
+            deadline_ms: self.deadline_ms,
+            review_window_ms: self.review_window_ms,
+            acceptance: self.acceptance.clone(),
+            fee_recipient: None,
+        })
+    }
+}
+
+fn check_metric(i: usize, m: &RawMetric) -> Result<AcceptanceMetric, SpecError> {
+    let field = format!("acceptance[{i}]");
+    let (comparison, value) = match (m.at_least, m.at_most) {
+        (Some(v), None) => (Comparison::AtLeast, v),
+        (None, Some(v)) => (Comparison::AtMost, v),
+        _ => {
+            return Err(err(
+                field,
+                "give exactly one of at_least = N or at_most = N",
+            ));
+        }
+    };
+    let scaled = value * Fixed::SCALE as f64;
+    if !scaled.is_finite() || scaled.abs() > 9.0e15 {
+        return Err(err(field, "threshold out of range"));
+    }
+    if m.metric.is_empty() {
+        return Err(err(
+            format!("{field}.metric"),
+            "name the metric the evaluator reports",
+        ));
+    }
+    Ok(AcceptanceMetric {
+        name: m.metric.clone(),
+        comparison,
+        // Rounded to the six decimals a signed threshold holds.
+        threshold: Fixed(scaled.round() as i64),
+    })
+}
+
+fn parse_digest(field: &str, v: &str) -> Result<Digest, SpecError> {
+    v.parse().map_err(|_| {
+        err(
+            field,
+            format!("{v:?} is not a SHA-256 digest (64 hex digits, `sha256sum FILE`)"),
+        )
+    })
+}
+
+fn size_field(field: &str, v: &Option<String>, default: u64) -> Result<u64, SpecError> {
+    match v {
+        Some(v) => parse_size(v).map_err(|e| err(field, e.to_string())),
+        None => Ok(default),
+    }
+}
+
+fn cpu_millicores(field: &str, v: &Option<toml::Value>) -> Result<u32, SpecError> {
+    let text = match v {
+        None => return Ok(DEFAULT_CPU_MILLICORES),
+        Some(toml::Value::Integer(n)) => n.to_string(),
+        Some(toml::Value::Float(f)) => format!("{f}"),
+        Some(toml::Value::String(s)) => s.clone(),
+        Some(_) => {
+            return Err(err(
+                field,
+                "give cores as a number, e.g. cpu = 2 or cpu = 0.5",
+            ));
+        }
+    };
+    let bad = || {
+        err(
+            field,
+            format!("{text:?} is not a core count (e.g. 2, 0.5, \"1.25\")"),
+        )
+    };
+    let (int, frac) = text.split_once('.').unwrap_or((&text, ""));
+    if frac.len() > 3 || int.is_empty() {
+        return Err(bad());
+    }
+    let int: u32 = int.parse().map_err(|_| bad())?;
+    let frac: u32 = if frac.is_empty() {
+        0
+    } else {
+        format!("{frac:0<3}").parse().map_err(|_| bad())?
+    };
+    let m = int
+        .checked_mul(1000)
+        .and_then(|m| m.checked_add(frac))
+        .ok_or_else(bad)?;
+    if m == 0 {
+        return Err(err(field, "must be more than 0 cores"));
+    }
+    Ok(m)
+}
+
+fn check_task(
+    i: usize,
+    t: &RawTask,
+    names: &BTreeMap<&str, usize>,
+    earlier: &[TaskDraft],
+    task_count: usize,
+    job_budget: Option<u64>,
+) -> Result<TaskDraft, SpecError> {
+    let f = |name: &str| format!("task[{i}].{name}");
+    if !is_safe_name(&t.name) {
+        return Err(err(f("name"), "use 1-255 of A-Z a-z 0-9 . _ -"));
+    }
+    if t.group_size == 0 {
+        return Err(err(f("group_size"), "must be at least 1"));
+    }
+    let budget = match (t.budget, job_budget) {
+        (Some(b), _) => b,
+        (None, Some(b)) if task_count == 1 => b,
+        (None, _) => {
+            return Err(err(
+                f("budget"),
+                "each task of a task graph needs its own budget (they add up to the job's)",
+            ));
+        }
+    };
+    if budget < u64::from(t.group_size) {
+        return Err(err(
+            f("budget"),
+            "must give every rank of the group at least 1 base unit",
+        ));
+    }
+    // Workload.
+    let w = &t.workload;
+    let bundle = match (&w.digest, &w.bundle) {
+        (Some(d), None) => Source::Digest {
+            digest: parse_digest(&f("workload.digest"), d)?,
+            size_bytes: 0,
+        },
+        (None, Some(p)) => Source::Path(p.clone()),
+        (None, None) if w.adapter == AdapterKind::Synthetic => Source::Digest {
+            digest: Digest([0; 32]),
+            size_bytes: 0,
+        },
+        _ => {
+            return Err(err(
+                f("workload"),
+                "give exactly one of digest = \"<sha256>\" or bundle = \"path/to/bundle.tar\"",
+            ));
+        }
+    };
+    if w.adapter != AdapterKind::Synthetic && w.entrypoint.is_empty() {
+        return Err(err(
+            f("workload.entrypoint"),
+            "say what to run, e.g. [\"python3\", \"main.py\"]",
+        ));
+    }
+    // Resources.
+    let r = &t.resources;
+    let resources = Resources {
+        cpu_millicores: cpu_millicores(&f("resources.cpu"), &r.cpu)?,
+        memory_bytes: size_field(&f("resources.memory"), &r.memory, DEFAULT_MEMORY)?,
+        swap_bytes: size_field(&f("resources.swap"), &r.swap, 0)?,
+        processes: r.processes.unwrap_or(DEFAULT_PROCESSES),
+        storage_bytes: size_field(&f("resources.storage"), &r.storage, DEFAULT_STORAGE)?,
+        gpus: r.gpus,
+    };
+    if resources.memory_bytes == 0 || resources.processes == 0 || resources.storage_bytes == 0 {
+        return Err(err(
+            f("resources"),
+            "memory, processes and storage must be more than 0",
+        ));
+    }
+    // Requirements.
+    let q = &t.requirements;
+    if resources.gpus == 0 && (q.gpu_vendor.is_some() || q.gpu_memory.is_some()) {
+        return Err(err(
+            f("requirements.gpu_vendor"),
+            "GPU requirements need GPUs: set resources.gpus = 1 or more, or drop them",
+        ));
+    }
+    let challenge_verifiers = q
+        .challenge_verifiers
+        .iter()
+        .map(|a| {
+            a.parse::<Address>()
+                .map_err(|e| err(f("requirements.challenge_verifiers"), format!("{a:?}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if !challenge_verifiers.is_empty() && q.challenge_max_age.is_none() {
+        return Err(err(
+            f("requirements.challenge_verifiers"),
+            "only means something with challenge_max_age (e.g. \"1d\")",
+        ));
+    }
+    let requirements = Requirements {
+        gpu_vendor: q.gpu_vendor,
+        min_gpu_memory_bytes: size_field(&f("requirements.gpu_memory"), &q.gpu_memory, 0)?,
+        runtimes: q
+            .runtimes
+            .iter()
+            .map(|(name, min_version)| RuntimeRequirement {
+                name: name.clone(),
+                min_version: min_version.clone(),
+            })
+            .collect(),
+        collectives: q.collectives.clone(),
+        isolation: q.isolation.clone(),
+        confidential: q.confidential,
+        max_challenge_age_ms: match &q.challenge_max_age {
+            Some(v) => Some(
+                parse_duration_ms(v)
+                    .map_err(|e| err(f("requirements.challenge_max_age"), e.to_string()))?,
+            ),
+            None => None,
+        },
+        challenge_verifiers,
+    };
+    // Dependencies, by name, on earlier tasks.
+    let mut depends_on = Vec::new();
+    for d in &t.depends_on {
+        match names.get(d.as_str()) {
+            Some(&j) if !depends_on.contains(&(j as u32)) => depends_on.push(j as u32),
+            Some(_) => return Err(err(f("depends_on"), format!("{d:?} is listed twice"))),
+            None => {
+                return Err(err(
+                    f("depends_on"),
+                    format!(
+                        "no earlier task named {d:?}: list tasks so that dependencies come first"
+                    ),
+                ));
+            }
+        }
+    }
+    // Outputs.
+    let mut outputs = Vec::new();
+    for (k, o) in t.outputs.iter().enumerate() {
+        if !is_safe_name(&o.name) {
+            return Err(err(
+                f(&format!("outputs[{k}].name")),
+                "use 1-255 of A-Z a-z 0-9 . _ -",
+            ));
+        }
+        if outputs.iter().any(|x: &OutputDecl| x.name == o.name) {
+            return Err(err(
+                f(&format!("outputs[{k}].name")),
+                format!("{:?} is declared twice", o.name),
+            ));
+        }
+        outputs.push(OutputDecl {
+            name: o.name.clone(),
+            max_bytes: size_field(
+                &f(&format!("outputs[{k}].max_size")),
+                &Some(o.max_size.clone()),
+                0,
+            )?,
+            rights: o.rights,
+        });
+    }
+    // Inputs: a local path, a pinned digest, or an earlier task's output.
+    let mut inputs = Vec::new();
+    let mut sources = Vec::new();
+    for (k, input) in t.inputs.iter().enumerate() {
+        let field = f(&format!("inputs[{k}]"));
+        if !is_safe_name(&input.name) {
+            return Err(err(
+                format!("{field}.name"),
+                "use 1-255 of A-Z a-z 0-9 . _ -",
+            ));
+        }
+        match (&input.path, &input.digest, &input.from) {
+            (Some(p), None, None) => {
+                sources.push((inputs.len(), Source::Path(p.clone())));
+                inputs.push(TaskInput::Staged(InputRef {
+                    name: input.name.clone(),
+                    digest: Digest([0; 32]),
+                    size_bytes: 0,
+                }));
+            }
+            (None, Some(d), None) => {
+                let size = match &input.size {
+                    Some(s) => {
+                        parse_size(s).map_err(|e| err(format!("{field}.size"), e.to_string()))?
+                    }
+                    None => {
+                        return Err(err(
+                            format!("{field}.size"),
+                            "a pinned input needs its size (e.g. \"12MiB\" or bytes)",
+                        ));
+                    }
+                };
+                let digest = parse_digest(&format!("{field}.digest"), d)?;
+                sources.push((
+                    inputs.len(),
+                    Source::Digest {
+                        digest,
+                        size_bytes: size,
+                    },
+                ));
+                inputs.push(TaskInput::Staged(InputRef {
+                    name: input.name.clone(),
+                    digest,
+                    size_bytes: size,
+                }));
+            }
+            (None, None, Some(from)) => {
+                let Some((task, output)) = from.split_once(':') else {
+                    return Err(err(
+                        format!("{field}.from"),
+                        "write \"task:output\", e.g. \"train:model.pt\"",
+                    ));
+                };
+                let Some(&j) = names.get(task) else {
+                    return Err(err(
+                        format!("{field}.from"),
+                        format!("no earlier task named {task:?}"),
+                    ));
+                };
+                if !depends_on.contains(&(j as u32)) {
+                    return Err(err(
+                        format!("{field}.from"),
+                        format!("add {task:?} to depends_on"),
+                    ));
+                }
+                if !earlier[j].task.outputs.iter().any(|o| o.name == output) {
+                    return Err(err(
+                        format!("{field}.from"),
+                        format!("task {task:?} declares no output {output:?}"),
+                    ));
+                }
+                inputs.push(TaskInput::FromTask {
+                    task: j as u32,
+                    output: output.to_string(),
+                    name: input.name.clone(),
+                });
+            }
+            _ => {
+                return Err(err(
+                    field,
+                    "give exactly one of path = \"file\", digest = \"<sha256>\" (with size), or from = \"task:output\"",
+                ));
+            }
+        }
+    }
+    let digest = match &bundle {
+        Source::Digest { digest, .. } => *digest,
+        Source::Path(_) => Digest([0; 32]),
+    };
+    Ok(TaskDraft {
+        task: TaskSpec {
+            name: t.name.clone(),
+            workload: Workload {
+                adapter: w.adapter,
+                digest,
+                entrypoint: w.entrypoint.clone(),
+            },
+            inputs,
+            outputs,
+            resources,
+            requirements,
+            group_size: t.group_size,
+            depends_on,
+            budget: Amount(budget),
+        },
+        bundle,
+        inputs: sources,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(name: &str) -> String {
+        std::fs::read_to_string(format!(
+            "{}/../docs/examples/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    }
+
+    fn error(text: &str) -> SpecError {
+        JobSpec::parse(text).unwrap_err()
+    }
+
+    const MINIMAL: &str = r#"
+deadline = "1h"
+budget = 1000
+[[task]]
+name = "t"
+[task.workload]
+adapter = "synthetic"
+"#;
+
+    #[test]
+    fn the_examples_parse() {
+        let s = JobSpec::parse(&example("synthetic.toml")).unwrap();
+        assert_eq!(s.budget, Amount(200_000));
+        assert_eq!(s.tasks[0].task.resources.memory_bytes, 256 << 20);
+        assert_eq!(s.bid_window_ms, 10_000);
+
+        let s = JobSpec::parse(&example("train.toml")).unwrap();
+        let t = &s.tasks[0];
+        assert_eq!(t.bundle, Source::Path("train-bundle.tar".into()));
+        assert_eq!(t.task.requirements.min_gpu_memory_bytes, 24 << 30);
+        assert_eq!(t.task.requirements.max_challenge_age_ms, Some(86_400_000));
+        assert_eq!(t.task.requirements.runtimes.len(), 2);
+        assert_eq!(s.acceptance[0].threshold, Fixed(910_000));
+        assert_eq!(s.acceptance[0].comparison, Comparison::AtLeast);
+
+        let s = JobSpec::parse(&example("pipeline.toml")).unwrap();
+        assert_eq!(s.budget, Amount(3_250_000));
+        assert_eq!(s.tasks[1].task.group_size, 3);
+        assert_eq!(s.tasks[2].task.depends_on, vec![1]);
+        assert_eq!(
+            s.tasks[2].task.inputs[0],
+            TaskInput::FromTask {
+                task: 1,
+                output: "model.safetensors".into(),
+                name: "model.safetensors".into()
+            }
+        );
+    }
+
+    #[test]
+    fn local_files_are_hashed_by_the_caller() {
+        let s = JobSpec::parse(&example("train.toml")).unwrap();
+        let mut asked = Vec::new();
+        let t = s
+            .resolve(|p| {
+                asked.push(p.to_string());
+                Ok::<_, ()>((Digest([7; 32]), 42))
+            })
+            .unwrap();
+        assert_eq!(asked, ["train-bundle.tar"]);
+        assert_eq!(t.tasks[0].workload.digest, Digest([7; 32]));
+        assert_eq!(t.ttl_ms, 30_000);
+        // A file that cannot be read names the field.
+        let (field, ()) = s.resolve(|_| Err(())).unwrap_err();
+        assert_eq!(field, "task[0].workload.bundle");
+    }
+
+    #[test]
+    fn a_single_task_takes_the_job_budget() {
+        let s = JobSpec::parse(MINIMAL).unwrap();
+        assert_eq!(s.tasks[0].task.budget, Amount(1000));
+        assert_eq!(s.tasks[0].task.resources.cpu_millicores, 1000);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_the_fix() {
+        let cases = [
+            (MINIMAL.replace("1h", "soon"), "deadline"),
+            (
+                MINIMAL.replace(
+                    "deadline = \"1h\"",
+                    "deadline = \"5s\"\nbid_window = \"10s\"",
+                ),
+                "deadline",
+            ),
+            (MINIMAL.replace("synthetic", "quantum"), "line"),
+            (
+                MINIMAL.replace("name = \"t\"", "name = \"t\"\nflavour = 1"),
+                "line",
+            ),
+            (
+                MINIMAL.replace("name = \"t\"", "name = \"../t\""),
+                "task[0].name",
+            ),
+            (
+                MINIMAL.replace("budget = 1000", "budget = 0"),
+                "task[0].budget",
+            ),
+            (
+                format!("{MINIMAL}[task.resources]\nmemory = \"lots\"\n"),
+                "task[0].resources.memory",
+            ),
+            (
+                format!("{MINIMAL}[task.resources]\ncpu = \"0.0001\"\n"),
+                "task[0].resources.cpu",
+            ),
+            (
+                format!("{MINIMAL}[task.requirements]\ngpu_memory = \"24GiB\"\n"),
+                "task[0].requirements.gpu_vendor",
+            ),
+            (
+                MINIMAL.replace(
+                    "adapter = \"synthetic\"",
+                    "adapter = \"process\"\ndigest = \"00\"\nentrypoint=[\"x\"]",
+                ),
+                "task[0].workload.digest",
+            ),
+            (
+                MINIMAL.replace(
+                    "adapter = \"synthetic\"",
+                    "adapter = \"process\"\nbundle = \"b.tar\"",
+                ),
+                "task[0].workload.entrypoint",
+            ),
+            (
+                format!("{MINIMAL}[[task.inputs]]\nname = \"x\"\nfrom = \"nope:out\"\n"),
+                "task[0].inputs[0].from",
+            ),
+            (
+                format!("{MINIMAL}[[task.inputs]]\nname = \"x\"\n"),
+                "task[0].inputs[0]",
+            ),
+            (
+                format!("{MINIMAL}[[acceptance]]\nmetric = \"acc\"\n"),
+                "acceptance[0]",
+            ),
+        ];
+        for (text, field) in cases {
+            let e = error(&text);
+            assert!(e.field.starts_with(field), "{field}: got {e}");
+            assert!(!e.problem.is_empty());
+        }
+        // Graph errors: a dependency that comes later, budgets that disagree.
+        let graph = r#"
+deadline = "1h"
+budget = 10
+[[task]]
+name = "a"
+budget = 4
+depends_on = ["b"]
+[task.workload]
+adapter = "synthetic"
+[[task]]
+name = "b"
+budget = 5
+[task.workload]
+adapter = "synthetic"
+"#;
+        let e = error(graph);
+        assert_eq!(e.field, "task[0].depends_on");
+        assert!(e.problem.contains("dependencies come first"), "{e}");
+        let e = error(&graph.replace("depends_on = [\"b\"]", ""));
+        assert_eq!(e.field, "budget");
+        assert!(e.problem.contains("add up to 9"), "{e}");
+        let e = error(
+            &graph
+                .replace("depends_on = [\"b\"]", "")
+                .replace("budget = 4\n", ""),
+        );
+        assert_eq!(e.field, "task[0].budget");
+    }
+}

@@ -1,0 +1,185 @@
+//! Builders for tests and simulations: plausible ads, tasks and offers from a few numbers.
+//! Pure data; nothing here is used on a node's own paths.
+
+use cannabis_protocol::{
+    AdapterKind, Address, Amount, CapabilityAd, DeliveryIdentity, Digest, FeeTerms, Gpu, GpuPrice,
+    GpuVendor, Hardware, JobOffer, Keypair, NetworkLimits, OsInfo, PriceSheet, Requirements,
+    Resources, Runtime, TaskSpec, Timestamp, Uuid, Workload,
+};
+
+const GIB: u64 = 1 << 30;
+
+/// The key of simulated node `n`.
+pub fn keys(n: u64) -> Keypair {
+    let mut secret = [0u8; 32];
+    secret[..8].copy_from_slice(&n.to_le_bytes());
+    secret[31] = 0x5a;
+    Keypair::from_secret(secret)
+}
+
+/// What a simulated worker has.
+#[derive(Clone, Debug)]
+pub struct Machine {
+    /// CPU cores.
+    pub cores: u32,
+    /// Memory in GiB.
+    pub memory_gib: u64,
+    /// GPUs: vendor and memory in GiB.
+    pub gpus: Vec<(GpuVendor, u64)>,
+    /// torch version, if any.
+    pub torch: Option<&'static str>,
+    /// Price per core-hour.
+    pub cpu_core_hour: u64,
+    /// Price per GPU-hour.
+    pub gpu_hour: u64,
+}
+
+impl Default for Machine {
+    fn default() -> Self {
+        Self {
+            cores: 8,
+            memory_gib: 32,
+            gpus: Vec::new(),
+            torch: None,
+            cpu_core_hour: 10,
+            gpu_hour: 1000,
+        }
+    }
+}
+
+/// An ad for `machine` by `address`, valid from `now` for an hour.
+pub fn ad(address: Address, machine: &Machine, now: Timestamp) -> CapabilityAd {
+    let gpus: Vec<Gpu> = machine
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, (vendor, gib))| Gpu {
+            uuid: format!("GPU-{i}"),
+            name: format!("{vendor:?} {gib}G"),
+            vendor: *vendor,
+            memory_bytes: gib * GIB,
+            driver_version: "550.54".into(),
+            toolkit_version: "12.4".into(),
+            compute_capability: "8.9".into(),
+            utilization_pct: 0,
+            allowed: true,
+        })
+        .collect();
+    let gpu_hour = gpus
+        .iter()
+        .map(|g| GpuPrice {
+            model: g.name.clone(),
+            price: Amount(machine.gpu_hour),
+        })
+        .collect();
+    CapabilityAd {
+        node: address,
+        seq: 1,
+        issued_at: now,
+        expires_at: now.plus_ms(3_600_000),
+        delivery: DeliveryIdentity::from_secret([1; 32]).recipient(),
+        hardware: Hardware {
+            cpu_model: "simulated".into(),
+            cpu_cores: machine.cores,
+            memory_bytes: machine.memory_gib * GIB,
+            swap_bytes: 0,
+            storage_bytes: 500 * GIB,
+            gpus,
+        },
+        os: OsInfo {
+            name: "linux".into(),
+            kernel: "6.8".into(),
+        },
+        runtimes: machine
+            .torch
+            .map(|v| {
+                vec![Runtime {
+                    name: "torch".into(),
+                    version: v.into(),
+                }]
+            })
+            .unwrap_or_default(),
+        adapters: vec![
+            AdapterKind::Process,
+            AdapterKind::Synthetic,
+            AdapterKind::Torchrun,
+        ],
+        collectives: vec![cannabis_protocol::Collective::Gloo],
+        isolation: Vec::new(),
+        network: NetworkLimits::default(),
+        prices: PriceSheet {
+            cpu_core_hour: Amount(machine.cpu_core_hour),
+            memory_gib_hour: Amount(1),
+            gpu_hour,
+            minimum_job: Amount(1),
+        },
+        attestation: None,
+        challenges: Vec::new(),
+    }
+}
+
+/// A task of `group_size` ranks needing `cores` cores, `gpus` GPUs with at least
+/// `gpu_memory_gib` each, worth `budget`.
+pub fn task(
+    name: &str,
+    cores: u32,
+    gpus: u32,
+    gpu_memory_gib: u64,
+    group_size: u32,
+    budget: u64,
+) -> TaskSpec {
+    TaskSpec {
+        name: name.into(),
+        workload: Workload {
+            adapter: AdapterKind::Synthetic,
+            digest: Digest([0; 32]),
+            entrypoint: Vec::new(),
+        },
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        resources: Resources {
+            cpu_millicores: cores * 1000,
+            memory_bytes: GIB,
+            swap_bytes: 0,
+            processes: 64,
+            storage_bytes: GIB,
+            gpus,
+        },
+        requirements: Requirements {
+            min_gpu_memory_bytes: gpu_memory_gib * GIB,
+            ..Requirements::default()
+        },
+        group_size,
+        depends_on: Vec::new(),
+        budget: Amount(budget),
+    }
+}
+
+/// An offer by `requester` with `tasks`, taking bids for `window_ms` from `now` and due
+/// `deadline_ms` from `now`.
+pub fn offer(
+    requester: Address,
+    job: u64,
+    tasks: Vec<TaskSpec>,
+    now: Timestamp,
+    window_ms: u64,
+    deadline_ms: u64,
+) -> JobOffer {
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&job.to_le_bytes());
+    let budget = Amount(tasks.iter().map(|t| t.budget.0).sum());
+    JobOffer {
+        job_id: Uuid::from_random(id),
+        requester,
+        seq: job,
+        issued_at: now,
+        expires_at: now.plus_ms(window_ms),
+        deadline: now.plus_ms(deadline_ms),
+        delivery: DeliveryIdentity::from_secret([2; 32]).recipient(),
+        budget,
+        fee: FeeTerms::founder(requester),
+        review_window_ms: 60_000,
+        acceptance: Vec::new(),
+        tasks,
+    }
+}
