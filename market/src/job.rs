@@ -14,7 +14,9 @@
 //!
 //! A lease starts short: an award expires `award_timeout_ms` after it is issued unless the
 //! worker countersigns and the requester renews it. So a worker that never answered holds
-//! nothing by the time the assignment is retried elsewhere.
+//! nothing by the time the assignment is retried elsewhere. The requester counts a lease
+//! as extended only when the worker acknowledged the renewal ([`Job::on_renewed`]): a
+//! worker that went away lets its lease run out on both sides, and the task is retried.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -35,7 +37,9 @@ pub struct LeaseConfig {
     pub lease_ms: u64,
     /// Renew when this little is left.
     pub renew_margin_ms: u64,
-    /// Most placements of one task (the first one included).
+    /// Most runs of one task that may fail after their leases became current. Awards a
+    /// worker refused or never countersigned do not count: each excludes that worker, so
+    /// they end when the bids run out.
     pub max_attempts: u32,
 }
 
@@ -128,7 +132,10 @@ pub struct Assignment {
     /// Lease state.
     pub state: LeaseState,
     /// The lease ends then unless renewed (for an offer: the deadline to countersign).
+    /// Moves only when the worker acknowledged a renewal.
     pub expires_at: Timestamp,
+    /// When the last renewal not yet acknowledged was sent.
+    pub renewal_sent: Option<Timestamp>,
 }
 
 /// One task's state.
@@ -146,6 +153,8 @@ pub struct Task {
     pub ranks: Vec<Assignment>,
     /// Placements made.
     pub attempts: u32,
+    /// Runs that failed after their leases became current.
+    pub failures: u32,
     /// Prices of live assignments.
     pub committed: Amount,
     /// Prices of delivered assignments.
@@ -217,6 +226,7 @@ impl Job {
                 excluded: BTreeSet::new(),
                 ranks: Vec::new(),
                 attempts: 0,
+                failures: 0,
                 committed: Amount(0),
                 spent: Amount(0),
                 budget: t.budget,
@@ -378,7 +388,7 @@ impl Job {
         }
         a.state = LeaseState::Current;
         // Renew at once: the award's own expiry is short on purpose.
-        a.expires_at = renew_to;
+        a.renewal_sent = Some(now);
         let renewal = LeaseRenewal {
             job_id,
             task: accept.task,
@@ -409,6 +419,32 @@ impl Job {
             );
         }
         Ok(vec![Action::Renew(renewal)])
+    }
+
+    /// The worker acknowledged a renewal up to `expires_at`: the lease is extended.
+    pub fn on_renewed(
+        &mut self,
+        task_index: u32,
+        rank: u32,
+        epoch: u64,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), String> {
+        let deadline = self.offer.deadline;
+        let a = self
+            .tasks
+            .get_mut(task_index as usize)
+            .and_then(|t| t.ranks.get_mut(rank as usize))
+            .ok_or("no such assignment")?;
+        if a.epoch != epoch {
+            return Err(format!("stale epoch {epoch} (current {})", a.epoch));
+        }
+        if a.state != LeaseState::Current || now >= a.expires_at {
+            return Err("the lease is not current".into());
+        }
+        a.expires_at = a.expires_at.max(expires_at.min(deadline));
+        a.renewal_sent = None;
+        Ok(())
     }
 
     /// A rank delivered (reported by the delivery path, after its result verified).
@@ -533,12 +569,14 @@ impl Job {
             let renew_to = now.plus_ms(self.config.lease_ms).min(self.offer.deadline);
             let margin = self.config.renew_margin_ms;
             let (requester, job_id) = (self.offer.requester, self.offer.job_id);
+            let resend_ms = (margin / 3).max(1);
             for a in &mut self.tasks[i].ranks {
-                if a.state == LeaseState::Current
+                let due = a.state == LeaseState::Current
                     && a.expires_at.ms_since(now) <= margin
                     && renew_to > a.expires_at
-                {
-                    a.expires_at = renew_to;
+                    && a.renewal_sent.is_none_or(|t| now.ms_since(t) >= resend_ms);
+                if due {
+                    a.renewal_sent = Some(now);
                     actions.push(Action::Renew(LeaseRenewal {
                         job_id,
                         task: i as u32,
@@ -570,7 +608,11 @@ impl Job {
                         match a.state {
                             LeaseState::Offered => at.push(a.expires_at),
                             LeaseState::Current => {
-                                at.push(Timestamp(a.expires_at.0.saturating_sub(margin)));
+                                let renew = Timestamp(a.expires_at.0.saturating_sub(margin));
+                                let resend = a
+                                    .renewal_sent
+                                    .map_or(renew, |t| t.plus_ms((margin / 3).max(1)));
+                                at.push(renew.max(resend).min(a.expires_at));
                             }
                             _ => {}
                         }
@@ -592,8 +634,8 @@ impl Job {
                 .saturating_sub(task.spent.0)
                 .saturating_sub(task.committed.0),
         );
-        if task.attempts >= self.config.max_attempts {
-            let why = format!("gave up after {} attempts", task.attempts);
+        if task.failures >= self.config.max_attempts {
+            let why = format!("gave up after {} failed runs", task.failures);
             self.fail_task(i, why, now, actions);
             return;
         }
@@ -658,6 +700,7 @@ impl Job {
                 price: s.price,
                 state: LeaseState::Offered,
                 expires_at,
+                renewal_sent: None,
             });
             task.committed = Amount(task.committed.0.saturating_add(s.price.0));
             actions.push(Action::Award(award));
@@ -689,6 +732,9 @@ impl Job {
     ) {
         let worker = self.tasks[i].ranks[rank].worker;
         self.tasks[i].excluded.insert(worker);
+        if self.tasks[i].ranks[rank].state == LeaseState::Current {
+            self.tasks[i].failures += 1;
+        }
         self.log(
             now,
             Some(i as u32),

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::matching::{self, Context};
 
 /// What the owner of a worker opts in to.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorkerPolicy {
     /// Whether requesters' own programs may run here (`process` and `torchrun` adapters).
@@ -24,19 +24,10 @@ pub struct WorkerPolicy {
     pub max_duration_ms: Option<u64>,
     /// Requesters whose offers this worker answers; empty means anyone.
     pub allowed_requesters: Vec<Address>,
-    /// How long a quote holds, in milliseconds.
-    pub bid_validity_ms: u64,
-}
-
-impl Default for WorkerPolicy {
-    fn default() -> Self {
-        Self {
-            custom_code: false,
-            max_duration_ms: None,
-            allowed_requesters: Vec::new(),
-            bid_validity_ms: 120_000,
-        }
-    }
+    /// How long a quote holds, in milliseconds; `None`: until the job's deadline, so the
+    /// requester can still place a retry or a later task of a graph on it. A worker that
+    /// is busy when an award comes refuses it, and the requester moves on.
+    pub bid_validity_ms: Option<u64>,
 }
 
 /// What a worker does about one task of an offer.
@@ -148,11 +139,9 @@ pub fn answer(
         issued_at: now,
         // A task that waits for others may start long after the bid window: its quote
         // holds until the deadline, so it can still be placed when it is ready.
-        valid_until: if spec.depends_on.is_empty() {
-            now.plus_ms(policy.bid_validity_ms.max(1))
-                .min(offer.deadline)
-        } else {
-            offer.deadline
+        valid_until: match policy.bid_validity_ms {
+            Some(ms) if spec.depends_on.is_empty() => now.plus_ms(ms.max(1)).min(offer.deadline),
+            _ => offer.deadline,
         },
     }))
 }

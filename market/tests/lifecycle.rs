@@ -82,7 +82,11 @@ impl World {
                     }
                 }
                 Action::Renew(r) => {
-                    let _ = self.worker(&r.worker).on_renewal(&r, now);
+                    if self.worker(&r.worker).on_renewal(&r, now).is_ok() {
+                        let _ = self
+                            .job
+                            .on_renewed(r.task, r.rank, r.epoch, r.expires_at, now);
+                    }
                 }
                 Action::Cancel { to, cancel } => {
                     for w in to {
@@ -218,9 +222,40 @@ fn an_unanswered_award_is_retried_with_a_new_epoch_elsewhere() {
 }
 
 #[test]
-fn retries_stop_at_the_budget_and_the_attempt_limit() {
-    // Three workers, each failing in turn; three attempts allowed.
+fn a_worker_that_stops_acknowledging_renewals_loses_the_task() {
     let mut w = world(3, vec![testkit::task("t", 1, 0, 0, 1, 100_000)]);
+    w.bid_all(T0);
+    let now = T0.plus_ms(10_000);
+    let actions = w.job.tick(now);
+    let Action::Award(first) = actions[0].clone() else {
+        panic!()
+    };
+    w.settle(actions, now);
+    assert_eq!(w.job.tasks[0].status, TaskStatus::Running);
+    // From here the worker is gone: renewals are sent but never acknowledged.
+    let mut t = now;
+    let mut moved = None;
+    for _ in 0..100 {
+        t = t.plus_ms(1_000);
+        for a in w.job.tick(t) {
+            if let Action::Award(a) = a {
+                moved = Some(a);
+            }
+        }
+        if moved.is_some() {
+            break;
+        }
+    }
+    let second = moved.expect("the task moved");
+    assert_ne!(second.worker, first.worker);
+    assert_eq!(second.epoch, 2);
+    assert!(w.job.history.iter().any(|e| e.text.contains("expired")));
+}
+
+#[test]
+fn retries_stop_at_the_attempt_limit() {
+    // Five workers; each run fails after its lease became current; three failures allowed.
+    let mut w = world(5, vec![testkit::task("t", 1, 0, 0, 1, 100_000)]);
     w.bid_all(T0);
     let mut now = T0.plus_ms(10_000);
     let mut actions = w.job.tick(now);
@@ -238,10 +273,9 @@ fn retries_stop_at_the_budget_and_the_attempt_limit() {
         actions = w.job.on_failed(0, 0, award.epoch, "crashed", now).unwrap();
         assert!(w.job.used() <= w.job.offer.budget);
     }
-    assert!(
-        matches!(&w.job.tasks[0].status, TaskStatus::Failed(r) if r.contains("no valid bids") || r.contains("attempts")),
-        "{:?}",
-        w.job.tasks[0].status
+    assert_eq!(
+        w.job.tasks[0].status,
+        TaskStatus::Failed("gave up after 3 failed runs".into())
     );
     assert_eq!(w.job.state(), JobState::Failed);
     assert_eq!(
@@ -249,6 +283,28 @@ fn retries_stop_at_the_budget_and_the_attempt_limit() {
         Amount(100_000),
         "nothing delivered, nothing spent"
     );
+}
+
+#[test]
+fn a_group_retry_must_fit_what_is_left_of_the_budget() {
+    // A group of 2 with just enough budget for one run: rank 0 delivers and is paid, rank 1
+    // fails, and re-placing both ranks would cost more than is left.
+    let mut w = world(4, vec![testkit::task("g", 1, 0, 0, 2, 30)]);
+    w.bid_all(T0);
+    let now = T0.plus_ms(10_000);
+    let actions = w.job.tick(now);
+    w.settle(actions, now);
+    assert_eq!(w.job.tasks[0].status, TaskStatus::Running);
+    w.job.on_delivered(0, 0, 1, now).unwrap();
+    let paid = w.job.tasks[0].spent;
+    w.job.on_failed(0, 1, 1, "crashed", now).unwrap();
+    let TaskStatus::Failed(why) = &w.job.tasks[0].status else {
+        panic!("{:?}", w.job.tasks[0].status)
+    };
+    assert!(why.contains("left in the budget"), "{why}");
+    assert_eq!(w.job.tasks[0].spent, paid);
+    assert_eq!(w.job.tasks[0].committed, Amount(0));
+    assert_eq!(w.job.refund().0, 30 - paid.0);
 }
 
 #[test]
@@ -451,6 +507,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
 enum Msg {
     ToWorker(Action),
     ToRequester(LeaseAccept),
+    Renewed(LeaseRenewal),
 }
 
 fn check_invariants(w: &World, now: Timestamp) -> Result<(), TestCaseError> {
@@ -518,6 +575,14 @@ fn run(steps: Vec<Step>, group: u32) -> Result<(), TestCaseError> {
                     continue;
                 }
                 match msg {
+                    Msg::ToWorker(Action::Renew(r)) => {
+                        if w.worker(&r.worker).on_renewal(&r, now).is_ok() {
+                            queue.push(Msg::Renewed(r));
+                        }
+                    }
+                    Msg::Renewed(r) => {
+                        let _ = w.job.on_renewed(r.task, r.rank, r.epoch, r.expires_at, now);
+                    }
                     Msg::ToWorker(a) => {
                         for acc in w.deliver(vec![a], now) {
                             queue.push(Msg::ToRequester(acc));

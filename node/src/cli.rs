@@ -189,6 +189,26 @@ pub(crate) enum TestnetCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Simulate the market in virtual time: simulated nodes and offers through the real
+    /// state machines, over a network that delays, drops and duplicates, with crashing
+    /// workers. Checks the invariants and reports throughput; also times placement of one
+    /// offer against many ads.
+    Sim {
+        /// Simulated nodes.
+        #[arg(long, default_value_t = 500)]
+        nodes: usize,
+        /// Offers published.
+        #[arg(long, default_value_t = 200)]
+        offers: usize,
+        /// Seed; the same seed gives the same run.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Ads for the placement figure.
+        #[arg(long, default_value_t = 10_000)]
+        placement_ads: usize,
+        #[command(flatten)]
+        format: Format,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod client;
 pub mod launcher;
+pub mod sim;
 pub mod stats;
 
 pub use client::ApiClient;

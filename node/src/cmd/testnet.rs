@@ -6,6 +6,7 @@ use anyhow::Context as _;
 use cannabis_node::logging::LogFormat;
 use cannabis_testnet::bench::{self, BenchOptions};
 use cannabis_testnet::launcher::{self, Testnet, TestnetOptions};
+use cannabis_testnet::sim;
 
 use crate::cli::TestnetCommand;
 use crate::output::{self, out};
@@ -52,6 +53,99 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             })?;
             net.stop();
             out!("stopped")?;
+            Ok(())
+        }
+        TestnetCommand::Sim {
+            nodes,
+            offers,
+            seed,
+            placement_ads,
+            format,
+        } => {
+            let config = sim::SimConfig {
+                nodes,
+                offers,
+                seed,
+                requesters: (nodes / 25).max(1),
+                ..sim::SimConfig::default()
+            };
+            let started = std::time::Instant::now();
+            let report = sim::run(config)?;
+            let wall = started.elapsed();
+            let placement = sim::placement_figures(placement_ads, 21);
+            let offers_per_sec = report.offers as f64 / wall.as_secs_f64().max(1e-9);
+            if format.json {
+                return output::json(&serde_json::json!({
+                    "report": report,
+                    "wall_ms": wall.as_millis() as u64,
+                    "offers_per_sec": offers_per_sec,
+                    "placement": placement,
+                }));
+            }
+            output::table(&[
+                (
+                    "nodes / offers",
+                    format!("{} / {}", report.nodes, report.offers),
+                ),
+                (
+                    "jobs",
+                    format!(
+                        "{} completed, {} failed, {} cancelled",
+                        report.completed, report.failed, report.cancelled
+                    ),
+                ),
+                (
+                    "bids / declines / awards",
+                    format!("{} / {} / {}", report.bids, report.declines, report.awards),
+                ),
+                (
+                    "leases / retries",
+                    format!("{} / {}", report.leases, report.retries),
+                ),
+                (
+                    "refused",
+                    format!(
+                        "{} stale epochs, {} busy",
+                        report.stale_refused, report.busy_refused
+                    ),
+                ),
+                (
+                    "messages",
+                    format!("{} ({} lost)", report.messages, report.dropped),
+                ),
+                (
+                    "money",
+                    format!(
+                        "budget {} = spent {} + refunded {}",
+                        report.budget, report.spent, report.refunded
+                    ),
+                ),
+                (
+                    "virtual time",
+                    format!("{:.1} min", report.virtual_ms as f64 / 60_000.0),
+                ),
+                (
+                    "wall time",
+                    format!(
+                        "{:.2} s ({:.0} offers/s, {} events)",
+                        wall.as_secs_f64(),
+                        offers_per_sec,
+                        report.events
+                    ),
+                ),
+                (
+                    "placement",
+                    format!(
+                        "{} ads: match+explain {} us, place group of 4 on {} bids {} us (median of {})",
+                        placement.ads,
+                        placement.match_us,
+                        placement.qualified,
+                        placement.place_us,
+                        placement.reps
+                    ),
+                ),
+                ("invariants", "held".to_string()),
+            ])?;
             Ok(())
         }
         TestnetCommand::Down { dir } => {
