@@ -212,6 +212,93 @@ pub struct ReceivedBid {
     pub id: String,
 }
 
+/// `GET /v1/jobs`: one job this node published.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSummary {
+    /// Job id.
+    pub job_id: String,
+    /// A name for people.
+    pub name: String,
+    /// Overall state.
+    pub state: crate::job::JobState,
+    /// What each task is doing, in task order (e.g. `running`, `bidding`).
+    pub tasks: Vec<String>,
+    /// Total budget, fee included.
+    pub budget: Amount,
+    /// Committed to live leases plus spent on deliveries.
+    pub used: Amount,
+    /// Bids received, all tasks.
+    pub bids: usize,
+    /// Bids taken until, ms since the epoch.
+    pub bids_until_ms: u64,
+    /// Results due, ms since the epoch.
+    pub deadline_ms: u64,
+}
+
+/// `GET /v1/jobs/{id}`: a job with every task, lease and event.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobDetail {
+    /// The summary.
+    pub summary: JobSummary,
+    /// Per task.
+    pub tasks: Vec<TaskDetail>,
+    /// What happened, oldest first.
+    pub history: Vec<crate::job::Event>,
+    /// Budget not spent (what goes back once the job is over).
+    pub refund: Amount,
+}
+
+/// One task of a [`JobDetail`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskDetail {
+    /// Name.
+    pub name: String,
+    /// Status and, when it ended, why.
+    pub status: crate::job::TaskStatus,
+    /// Workers the task needs at once.
+    pub group_size: u32,
+    /// Its budget.
+    pub budget: Amount,
+    /// Committed to live leases.
+    pub committed: Amount,
+    /// Spent on deliveries.
+    pub spent: Amount,
+    /// Bids held, cheapest first: worker and price.
+    pub bids: Vec<(String, Amount)>,
+    /// Workers that declined, with their reasons.
+    pub declines: Vec<(String, String)>,
+    /// The current attempt, one per rank.
+    pub ranks: Vec<crate::job::Assignment>,
+    /// Placements made.
+    pub attempts: u32,
+    /// Runs that failed after their leases became current.
+    pub failures: u32,
+    /// When nobody has bid (or nobody could be placed): how the known ads match.
+    pub explanation: Option<crate::matching::Explanation>,
+}
+
+/// `POST /v1/jobs/explain`: how each task of a template matches the ads this node knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskExplanation {
+    /// Task name.
+    pub task: String,
+    /// The explanation.
+    pub explanation: crate::matching::Explanation,
+}
+
+/// `GET /v1/leases`: a lease this node holds (or held lately) as a worker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldLease {
+    /// Job id.
+    pub job_id: String,
+    /// Task index.
+    pub task: u32,
+    /// Rank.
+    pub rank: u32,
+    /// The lease.
+    pub lease: crate::lease::Lease,
+}
+
 /// An error body.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiError {
@@ -224,6 +311,9 @@ pub struct ApiError {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OfferTemplate {
+    /// A name for people; kept by the requester's node, not published.
+    #[serde(default)]
+    pub name: Option<String>,
     /// A job id to use; a random one when absent.
     #[serde(default)]
     pub job_id: Option<Uuid>,

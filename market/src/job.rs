@@ -30,6 +30,7 @@ use crate::placement::{self, Candidate, Class, Slot};
 
 /// Timing of leases.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LeaseConfig {
     /// How long a worker has to countersign an award.
     pub award_timeout_ms: u64,

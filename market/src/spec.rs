@@ -329,6 +329,7 @@ impl JobSpec {
             tasks.push(task);
         }
         Ok(OfferTemplate {
+            name: Some(self.name.clone()),
             job_id: None,
             tasks,
             ttl_ms: self.bid_window_ms,

@@ -119,6 +119,11 @@ pub fn serve(
         .route("/v1/market/offers", get(offers))
         .route("/v1/market/bids", get(bids))
         .route("/v1/offers", post(publish_offer))
+        .route("/v1/jobs", get(jobs).post(submit_job))
+        .route("/v1/jobs/explain", post(explain))
+        .route("/v1/jobs/{id}", get(job))
+        .route("/v1/jobs/{id}/cancel", post(cancel_job))
+        .route("/v1/leases", get(leases))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state);
     tokio::spawn(async move {
@@ -154,6 +159,65 @@ async fn publish_offer(
 ) -> Result<Json<api::Published>, Error> {
     s.node
         .publish_offer(template)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn submit_job(
+    State(s): State<AppState>,
+    Json(template): Json<OfferTemplate>,
+) -> Result<Json<api::JobSummary>, Error> {
+    s.node
+        .submit_job(template)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn explain(
+    State(s): State<AppState>,
+    Json(template): Json<OfferTemplate>,
+) -> Result<Json<Vec<api::TaskExplanation>>, Error> {
+    Ok(Json(s.node.explain(template).await?))
+}
+
+async fn leases(State(s): State<AppState>) -> Result<Json<Vec<api::HeldLease>>, Error> {
+    Ok(Json(s.node.leases().await?))
+}
+
+async fn jobs(State(s): State<AppState>) -> Result<Json<Vec<api::JobSummary>>, Error> {
+    Ok(Json(s.node.jobs().await?))
+}
+
+fn job_id(id: &str) -> Result<cannabis_protocol::Uuid, Error> {
+    id.parse().map_err(|e| {
+        Error(
+            StatusCode::BAD_REQUEST,
+            format!("{id:?} is not a job id: {e}"),
+        )
+    })
+}
+
+async fn job(
+    State(s): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<api::JobDetail>, Error> {
+    let id = job_id(&id)?;
+    s.node
+        .job(id)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+async fn cancel_job(
+    State(s): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<api::JobSummary>, Error> {
+    let id = job_id(&id)?;
+    s.node
+        .cancel_job(id)
         .await
         .map(Json)
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))

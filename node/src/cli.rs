@@ -153,6 +153,11 @@ pub(crate) enum MarketCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Leases this node holds (or held lately) as a worker, with their epochs.
+    Leases {
+        #[command(flatten)]
+        format: Format,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -242,6 +247,37 @@ pub(crate) enum JobCommand {
         fee_bps: u16,
         #[command(flatten)]
         format: Format,
+    },
+    /// Publish a job file (docs/requester-guide.md) from the running node: shows the
+    /// budget, worker share and fee, and asks before publishing.
+    Submit {
+        /// The job file (TOML).
+        file: PathBuf,
+        /// Publish without asking (for scripts).
+        #[arg(long)]
+        yes: bool,
+        /// Stop after the quote and the match against the ads this node knows.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// One job: each task's state and why, bids, leases with their epochs, history.
+    Status {
+        /// The job id.
+        id: String,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// The jobs this node published.
+    List {
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Cancel a job: every rank holding a lease is told.
+    Cancel {
+        /// The job id.
+        id: String,
     },
 }
 

@@ -28,7 +28,7 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
             format,
         } => probe::challenge(size, rounds, format),
         Command::Keys(c) => keys::run(c, &data_dir()?),
-        Command::Job(c) => job::run(c),
+        Command::Job(c) => job::run(c, data_dir),
         Command::Demo(args) => demo::run(&args),
     }
 }

@@ -36,6 +36,10 @@ pub struct NodeConfig {
     /// The owner's settings that go into the capability ad. Re-read from the file at every
     /// ad refresh, so the next ad follows the owner's changes.
     pub owner: Owner,
+    /// What this node takes as a worker: custom code, longest job, which requesters.
+    pub worker: cannabis_market::quote::WorkerPolicy,
+    /// Lease timing for the jobs this node publishes.
+    pub leases: cannabis_market::job::LeaseConfig,
     /// The file this configuration came from, if any.
     #[serde(skip)]
     pub source: Option<std::path::PathBuf>,
@@ -149,6 +153,8 @@ impl Default for NodeConfig {
             gossip: Gossip::default(),
             challenge: ChallengeConfig::default(),
             owner: Owner::default(),
+            worker: cannabis_market::quote::WorkerPolicy::default(),
+            leases: cannabis_market::job::LeaseConfig::default(),
             source: None,
         }
     }

@@ -6,6 +6,7 @@ mod challenge;
 mod directed;
 mod gossip;
 mod handle;
+mod jobs;
 
 pub use cannabis_market::api::OfferTemplate;
 pub use handle::NodeHandle;
@@ -53,6 +54,24 @@ pub(crate) enum Command {
         oneshot::Sender<anyhow::Result<api::Published>>,
     ),
     PublishAd(oneshot::Sender<anyhow::Result<()>>),
+    SubmitJob(
+        OfferTemplate,
+        oneshot::Sender<anyhow::Result<api::JobSummary>>,
+    ),
+    Jobs(oneshot::Sender<Vec<api::JobSummary>>),
+    Leases(oneshot::Sender<Vec<api::HeldLease>>),
+    Job(
+        cannabis_protocol::Uuid,
+        oneshot::Sender<anyhow::Result<api::JobDetail>>,
+    ),
+    CancelJob(
+        cannabis_protocol::Uuid,
+        oneshot::Sender<anyhow::Result<api::JobSummary>>,
+    ),
+    Explain(
+        OfferTemplate,
+        oneshot::Sender<anyhow::Result<Vec<api::TaskExplanation>>>,
+    ),
     Market {
         peer: PeerId,
         request: cannabis_protocol::MarketRequest,
@@ -111,6 +130,12 @@ pub(crate) struct Node {
     challenge_passes: HashMap<Address, Timestamp>,
     /// Passes other nodes signed for this one, by verifier; carried in the ad.
     own_passes: challenge::OwnPasses,
+    /// Jobs this node published, as requester.
+    jobs: std::collections::BTreeMap<cannabis_protocol::Uuid, jobs::Tracked>,
+    /// This node's leases, as worker.
+    leases: cannabis_market::lease::Leases,
+    /// What this node's own market requests were for, so their answers reach the job.
+    requests: HashMap<OutboundRequestId, jobs::Purpose>,
     /// Challenges this node answered lately: who set them, with which seed. Only a pass for
     /// one of them is kept.
     answered: std::collections::VecDeque<(PeerId, cannabis_protocol::Digest)>,
@@ -163,6 +188,9 @@ pub async fn start(
         proving: None,
         challenge_passes: HashMap::new(),
         own_passes: challenge::OwnPasses::default(),
+        jobs: std::collections::BTreeMap::new(),
+        leases: cannabis_market::lease::Leases::new(address),
+        requests: HashMap::new(),
         answered: std::collections::VecDeque::new(),
     };
     node.restore()?;
@@ -243,7 +271,10 @@ impl Node {
                         warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
                     }
                 }
-                _ = expiry.tick() => self.expire(),
+                _ = expiry.tick() => {
+                    self.expire();
+                    self.tick_jobs();
+                }
             }
         }
         info!("node stopped");
@@ -296,7 +327,35 @@ impl Node {
                 let _ = reply.send(self.received_bids());
             }
             Command::PublishOffer(template, reply) => {
-                let _ = reply.send(self.publish_offer(template));
+                let _ = reply.send(self.publish_offer(template).map(|p| p.0));
+            }
+            Command::SubmitJob(template, reply) => {
+                let _ = reply.send(self.submit_job(template));
+            }
+            Command::Jobs(reply) => {
+                let _ = reply.send(self.jobs.values().map(|j| self.job_summary(j)).collect());
+            }
+            Command::Leases(reply) => {
+                let held = self
+                    .leases
+                    .iter()
+                    .map(|((job, task, rank), lease)| api::HeldLease {
+                        job_id: job.to_string(),
+                        task: *task,
+                        rank: *rank,
+                        lease: lease.clone(),
+                    })
+                    .collect();
+                let _ = reply.send(held);
+            }
+            Command::Job(id, reply) => {
+                let _ = reply.send(self.job_detail(&id));
+            }
+            Command::CancelJob(id, reply) => {
+                let _ = reply.send(self.cancel_job(&id));
+            }
+            Command::Explain(template, reply) => {
+                let _ = reply.send(self.explain(&template));
             }
             Command::PublishAd(reply) => {
                 let _ = reply.send(self.publish_ad());

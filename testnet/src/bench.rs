@@ -51,6 +51,7 @@ pub struct BenchReport {
 /// The offer the benchmark publishes: one small synthetic task.
 pub fn bench_offer(k: usize) -> OfferTemplate {
     OfferTemplate {
+        name: None,
         job_id: None,
         tasks: vec![TaskSpec {
             name: format!("bench-{k}"),

@@ -145,6 +145,39 @@ impl ApiClient {
         self.post("/v1/offers", template)
     }
 
+    /// `POST /v1/jobs`
+    pub fn submit_job(&self, template: &api::OfferTemplate) -> anyhow::Result<api::JobSummary> {
+        self.post("/v1/jobs", template)
+    }
+
+    /// `POST /v1/jobs/explain`
+    pub fn explain(
+        &self,
+        template: &api::OfferTemplate,
+    ) -> anyhow::Result<Vec<api::TaskExplanation>> {
+        self.post("/v1/jobs/explain", template)
+    }
+
+    /// `GET /v1/leases`
+    pub fn leases(&self) -> anyhow::Result<Vec<api::HeldLease>> {
+        self.get("/v1/leases")
+    }
+
+    /// `GET /v1/jobs`
+    pub fn jobs(&self) -> anyhow::Result<Vec<api::JobSummary>> {
+        self.get("/v1/jobs")
+    }
+
+    /// `GET /v1/jobs/{id}`
+    pub fn job(&self, id: &str) -> anyhow::Result<api::JobDetail> {
+        self.get(&format!("/v1/jobs/{id}"))
+    }
+
+    /// `POST /v1/jobs/{id}/cancel`
+    pub fn cancel_job(&self, id: &str) -> anyhow::Result<api::JobSummary> {
+        self.post(&format!("/v1/jobs/{id}/cancel"), &())
+    }
+
     /// `POST /v1/peers/{peer}/challenge`
     pub fn challenge(&self, peer: &str) -> anyhow::Result<api::ChallengeReport> {
         self.post(&format!("/v1/peers/{peer}/challenge"), &())

@@ -1,11 +1,23 @@
 //! `cannabis job`: jobs from the requester's side.
 
-use cannabis_protocol::Quote;
+use std::io::{BufRead as _, Write as _};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use cannabis_market::api::{JobDetail, TaskExplanation};
+use cannabis_market::job::{LeaseState, TaskStatus};
+use cannabis_market::spec::JobSpec;
+use cannabis_protocol::{Digest, FOUNDER_FEE_BPS, Quote};
+use cannabis_testnet::ApiClient;
+use sha2::{Digest as _, Sha256};
 
 use crate::cli::JobCommand;
-use crate::output;
+use crate::output::{self, out};
 
-pub(super) fn run(command: JobCommand) -> anyhow::Result<()> {
+pub(super) fn run(
+    command: JobCommand,
+    data_dir: impl Fn() -> anyhow::Result<PathBuf>,
+) -> anyhow::Result<()> {
     match command {
         JobCommand::Quote {
             budget,
@@ -19,7 +31,206 @@ pub(super) fn run(command: JobCommand) -> anyhow::Result<()> {
             print_quote(&q)?;
             Ok(())
         }
+        JobCommand::Submit {
+            file,
+            yes,
+            dry_run,
+            format,
+        } => submit(&file, yes, dry_run, format.json, &data_dir()?),
+        JobCommand::Status { id, format } => {
+            let job = ApiClient::from_data_dir(&data_dir()?)?.job(&id)?;
+            if format.json {
+                return output::json(&job);
+            }
+            print_job(&job)
+        }
+        JobCommand::List { format } => {
+            let jobs = ApiClient::from_data_dir(&data_dir()?)?.jobs()?;
+            if format.json {
+                return output::json(&jobs);
+            }
+            out!(
+                "{:<36} {:<20} {:<10} {:>12} {:>12} {:>5}  tasks",
+                "job",
+                "name",
+                "state",
+                "budget",
+                "used",
+                "bids"
+            )?;
+            for j in &jobs {
+                out!(
+                    "{:<36} {:<20} {:<10} {:>12} {:>12} {:>5}  {}",
+                    j.job_id,
+                    j.name,
+                    format!("{:?}", j.state).to_lowercase(),
+                    j.budget,
+                    j.used,
+                    j.bids,
+                    j.tasks.join(",")
+                )?;
+            }
+            out!("{} jobs", jobs.len())?;
+            Ok(())
+        }
+        JobCommand::Cancel { id } => {
+            let j = ApiClient::from_data_dir(&data_dir()?)?.cancel_job(&id)?;
+            out!("job {} cancelled; every leased rank was told", j.job_id)?;
+            Ok(())
+        }
     }
+}
+
+/// SHA-256 and size of a local file, streamed.
+fn hash_file(path: &Path) -> anyhow::Result<(Digest, u64)> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut hasher = Sha256::new();
+    let size = std::io::copy(&mut f, &mut hasher)
+        .with_context(|| format!("reading {}", path.display()))?;
+    Ok((Digest(hasher.finalize().into()), size))
+}
+
+fn submit(
+    file: &Path,
+    yes: bool,
+    dry_run: bool,
+    json: bool,
+    data_dir: &Path,
+) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the job file {}", file.display()))?;
+    let spec = JobSpec::parse(&text).with_context(|| format!("in {}", file.display()))?;
+    // Local paths are relative to the job file.
+    let base = file.parent().unwrap_or(Path::new("."));
+    let template = spec
+        .resolve(|p| hash_file(&base.join(p)))
+        .map_err(|(field, e)| e.context(format!("{}: {field}", file.display())))?;
+    let quote = Quote::for_budget(spec.budget, FOUNDER_FEE_BPS)?;
+    let client = ApiClient::from_data_dir(data_dir)?;
+    let explained = client.explain(&template)?;
+    if json && dry_run {
+        return output::json(&serde_json::json!({
+            "quote": quote,
+            "tasks": explained,
+        }));
+    }
+    if !json {
+        out!("job {:?}: {} task(s)", spec.name, spec.tasks.len())?;
+        print_quote(&quote)?;
+        print_explanations(&explained)?;
+    }
+    if dry_run {
+        return Ok(());
+    }
+    if !yes {
+        if json {
+            anyhow::bail!("--json submits only with --yes (there is no one to ask)");
+        }
+        eprint!("publish this job? [y/N] ");
+        std::io::stderr().flush().ok();
+        let mut answer = String::new();
+        std::io::stdin().lock().read_line(&mut answer)?;
+        if !matches!(answer.trim(), "y" | "Y" | "yes") {
+            out!("not published")?;
+            return Ok(());
+        }
+    }
+    let job = client.submit_job(&template)?;
+    if json {
+        return output::json(&job);
+    }
+    out!(
+        "published job {}; bids until the window ends, then placement.\n\
+         Watch it with `cannabis job status {}`.",
+        job.job_id,
+        job.job_id
+    )?;
+    Ok(())
+}
+
+fn print_explanations(tasks: &[TaskExplanation]) -> anyhow::Result<()> {
+    for t in tasks {
+        let e = &t.explanation;
+        out!(
+            "task {}: {} of {} known workers qualify ({} needed){}",
+            t.task,
+            e.qualified.len(),
+            e.considered,
+            e.needed,
+            if e.feasible() { "" } else { ": not enough" }
+        )?;
+        for x in &e.excluded {
+            out!("  {}: {} excluded", x.text, x.excluded)?;
+        }
+    }
+    Ok(())
+}
+
+fn print_job(job: &JobDetail) -> anyhow::Result<()> {
+    let s = &job.summary;
+    output::table(&[
+        ("job", s.job_id.clone()),
+        ("name", s.name.clone()),
+        ("state", format!("{:?}", s.state).to_lowercase()),
+        (
+            "budget",
+            format!("{} (used {}, refund {})", s.budget, s.used, job.refund),
+        ),
+    ])?;
+    for (i, t) in job.tasks.iter().enumerate() {
+        let status = match &t.status {
+            TaskStatus::Failed(why) => format!("failed: {why}"),
+            TaskStatus::Cancelled(why) => format!("cancelled: {why}"),
+            other => format!("{other:?}").to_lowercase(),
+        };
+        out!(
+            "\ntask {i} {}: {status}  (group {}, budget {}, committed {}, spent {}, {} bids, {} declined, attempt {})",
+            t.name,
+            t.group_size,
+            t.budget,
+            t.committed,
+            t.spent,
+            t.bids.len(),
+            t.declines.len(),
+            t.attempts
+        )?;
+        for r in &t.ranks {
+            let state = match r.state {
+                LeaseState::Offered => "awarded",
+                LeaseState::Current => "current",
+                LeaseState::Done => "delivered",
+                LeaseState::Ended => "ended",
+            };
+            out!(
+                "  rank {} {} epoch {} price {} {}",
+                r.rank,
+                r.worker,
+                r.epoch,
+                r.price,
+                state
+            )?;
+        }
+        for (w, why) in &t.declines {
+            out!("  declined by {w}: {why}")?;
+        }
+        if let Some(e) = &t.explanation {
+            out!(
+                "  {} of {} known workers match ({} needed)",
+                e.qualified.len(),
+                e.considered,
+                e.needed
+            )?;
+            for x in &e.excluded {
+                out!("    {}: {} excluded", x.text, x.excluded)?;
+            }
+        }
+    }
+    out!("\nhistory:")?;
+    for e in job.history.iter().rev().take(30).rev() {
+        let task = e.task.map(|t| format!("task {t}: ")).unwrap_or_default();
+        out!("  {} {task}{}", e.at, e.text)?;
+    }
+    Ok(())
 }
 
 /// The three lines a requester sees before accepting.

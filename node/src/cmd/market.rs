@@ -95,6 +95,39 @@ pub(super) fn run(command: MarketCommand, data_dir: &Path) -> anyhow::Result<()>
             }
             out!("{} bids", bids.len())?;
         }
+        MarketCommand::Leases { format } => {
+            let leases = client.leases()?;
+            if format.json {
+                return output::json(&leases);
+            }
+            out!(
+                "{:<36} {:>4} {:>4} {:>5} {:>10} {:>10}  state",
+                "job",
+                "task",
+                "rank",
+                "epoch",
+                "price",
+                "ends in"
+            )?;
+            for l in &leases {
+                let state = match (&l.lease.ended, l.lease.live) {
+                    (Some(why), _) => why.clone(),
+                    (None, true) => "current".to_string(),
+                    (None, false) => "ended".to_string(),
+                };
+                out!(
+                    "{:<36} {:>4} {:>4} {:>5} {:>10} {:>10}  {}",
+                    l.job_id,
+                    l.task,
+                    l.rank,
+                    l.lease.epoch,
+                    l.lease.price,
+                    left(l.lease.expires_at.0),
+                    state
+                )?;
+            }
+            out!("{} leases", leases.len())?;
+        }
     }
     Ok(())
 }

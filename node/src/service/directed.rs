@@ -49,6 +49,8 @@ impl Node {
             } => {
                 if let Some(reply) = self.pending.remove(&request_id) {
                     let _ = reply.send(Ok(response));
+                } else if let Some(purpose) = self.requests.remove(&request_id) {
+                    self.on_own_response(purpose, Ok(response));
                 }
             }
             Event::OutboundFailure {
@@ -60,6 +62,8 @@ impl Node {
                 debug!(%peer, %error, "market request failed");
                 if let Some(reply) = self.pending.remove(&request_id) {
                     let _ = reply.send(Err(anyhow::anyhow!("request to {peer} failed: {error}")));
+                } else if let Some(purpose) = self.requests.remove(&request_id) {
+                    self.on_own_response(purpose, Err(error.to_string()));
                 }
             }
             Event::InboundFailure { peer, error, .. } => self.on_inbound_failure(peer, &error),
@@ -83,6 +87,13 @@ impl Node {
 
     fn answer_market(&mut self, peer: PeerId, request: MarketRequest) -> MarketResponse {
         let refused = |reason: String| MarketResponse::Refused { reason };
+        let answer = |what: &str, outcome: Result<(), String>| match outcome {
+            Ok(()) => MarketResponse::Ack,
+            Err(reason) => {
+                info!(%peer, %reason, "{what} refused");
+                MarketResponse::Refused { reason }
+            }
+        };
         match request {
             MarketRequest::Ping { nonce } => MarketResponse::Pong { nonce },
             MarketRequest::Bid(bid) => match self.take_bid(&bid) {
@@ -92,28 +103,14 @@ impl Node {
                     refused(reason)
                 }
             },
-            MarketRequest::ChallengePass(pass) => match self.take_pass(peer, pass) {
-                Ok(()) => MarketResponse::Ack,
-                Err(reason) => {
-                    info!(%peer, %reason, "challenge pass refused");
-                    refused(reason)
-                }
-            },
-            other => {
-                let kind = match other {
-                    MarketRequest::Decline(_) => "declines",
-                    MarketRequest::Award(_) => "awards",
-                    MarketRequest::LeaseAccept(_) => "lease acceptances",
-                    MarketRequest::LeaseRenewal(_) => "lease renewals",
-                    MarketRequest::Cancel(_) => "cancellations",
-                    MarketRequest::Bid(_)
-                    | MarketRequest::Ping { .. }
-                    | MarketRequest::ChallengePass(_) => "requests",
-                };
-                refused(format!(
-                    "this node does not take {kind} yet (no market state for them)"
-                ))
+            MarketRequest::ChallengePass(pass) => {
+                answer("challenge pass", self.take_pass(peer, pass))
             }
+            MarketRequest::Decline(d) => answer("decline", self.take_decline(&d)),
+            MarketRequest::Award(a) => answer("award", self.take_award(peer, &a)),
+            MarketRequest::LeaseAccept(a) => answer("lease acceptance", self.take_accept(&a)),
+            MarketRequest::LeaseRenewal(r) => answer("renewal", self.take_renewal(&r)),
+            MarketRequest::Cancel(c) => answer("cancellation", self.take_cancel(&c)),
         }
     }
 
@@ -138,6 +135,7 @@ impl Node {
         if b.task as usize >= offer.offer.tasks.len() {
             return Err(format!("offer {} has no task {}", b.job_id, b.task));
         }
+        self.bid_for_job(b.clone(), verified.id, now_ms)?;
         self.store
             .put_bid(&verified.id.0, &bid.to_bytes())
             .map_err(|e| format!("cannot record the bid: {e:#}"))?;
@@ -248,6 +246,7 @@ impl Node {
                 Verdict::Accept(_) => {
                     accepted += 1;
                     self.keep(Kind::Offer, &bytes, now_us);
+                    self.answer_offer(&bytes);
                 }
                 Verdict::Ignore(_) => {}
                 // An offer that expired while the page travelled is not the peer's fault.

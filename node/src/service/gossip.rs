@@ -71,7 +71,10 @@ impl Node {
         if accepted {
             match topic {
                 Some(Topic::Ads) => self.keep(Kind::Ad, &message.data, now_us),
-                Some(Topic::Offers) => self.keep(Kind::Offer, &message.data, now_us),
+                Some(Topic::Offers) => {
+                    self.keep(Kind::Offer, &message.data, now_us);
+                    self.answer_offer(&message.data);
+                }
                 _ => {}
             }
         }
@@ -143,7 +146,10 @@ impl Node {
     }
 
     /// Makes, signs, keeps and gossips an offer from a template.
-    pub(super) fn publish_offer(&mut self, t: OfferTemplate) -> anyhow::Result<api::Published> {
+    pub(super) fn publish_offer(
+        &mut self,
+        t: OfferTemplate,
+    ) -> anyhow::Result<(api::Published, JobOffer, cannabis_protocol::Digest)> {
         let (now_ms, now_us) = now();
         let budget =
             Amount::sum(t.tasks.iter().map(|t| &t.budget)).context("task budgets overflow")?;
@@ -171,11 +177,12 @@ impl Node {
         let id = signed.id();
         let published_at_us = self.publish(Topic::Offers, signed.to_bytes(), now_us)?;
         info!(job = %offer.job_id, msg = %id, "offer published");
-        Ok(api::Published {
+        let published = api::Published {
             job_id: offer.job_id.to_string(),
             id: id.to_string(),
             published_at_us,
-        })
+        };
+        Ok((published, offer, id))
     }
 
     /// Puts our own message through the same checks as everyone's, keeps it (durably), and

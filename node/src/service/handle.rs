@@ -76,6 +76,39 @@ impl NodeHandle {
         self.ask(|tx| Command::PublishOffer(template, tx)).await?
     }
 
+    /// Publishes an offer and starts its job: bids, placement, leases.
+    pub async fn submit_job(&self, template: OfferTemplate) -> anyhow::Result<api::JobSummary> {
+        self.ask(|tx| Command::SubmitJob(template, tx)).await?
+    }
+
+    /// Jobs this node published.
+    pub async fn jobs(&self) -> anyhow::Result<Vec<api::JobSummary>> {
+        self.ask(Command::Jobs).await
+    }
+
+    /// Leases this node holds (or held lately) as a worker.
+    pub async fn leases(&self) -> anyhow::Result<Vec<api::HeldLease>> {
+        self.ask(Command::Leases).await
+    }
+
+    /// One job with every task, lease and event.
+    pub async fn job(&self, id: cannabis_protocol::Uuid) -> anyhow::Result<api::JobDetail> {
+        self.ask(|tx| Command::Job(id, tx)).await?
+    }
+
+    /// Cancels a job: every live lease gets a cancellation.
+    pub async fn cancel_job(&self, id: cannabis_protocol::Uuid) -> anyhow::Result<api::JobSummary> {
+        self.ask(|tx| Command::CancelJob(id, tx)).await?
+    }
+
+    /// How each task of a template matches the ads this node knows.
+    pub async fn explain(
+        &self,
+        template: OfferTemplate,
+    ) -> anyhow::Result<Vec<api::TaskExplanation>> {
+        self.ask(|tx| Command::Explain(template, tx)).await?
+    }
+
     /// Re-makes and publishes this node's capability ad now.
     pub async fn publish_ad(&self) -> anyhow::Result<()> {
         self.ask(Command::PublishAd).await?

@@ -194,16 +194,22 @@ fn version_and_help_on_every_command() {
         vec!["market", "ads"],
         vec!["market", "offers"],
         vec!["market", "bids"],
+        vec!["market", "leases"],
         vec!["testnet"],
         vec!["testnet", "up"],
         vec!["testnet", "down"],
         vec!["testnet", "bench"],
+        vec!["testnet", "sim"],
         vec!["keys"],
         vec!["keys", "new"],
         vec!["keys", "show"],
         vec!["keys", "address"],
         vec!["job"],
         vec!["job", "quote"],
+        vec!["job", "submit"],
+        vec!["job", "status"],
+        vec!["job", "list"],
+        vec!["job", "cancel"],
         vec!["demo"],
     ] {
         let mut args = cmd.clone();
@@ -506,4 +512,92 @@ fn challenge_runs_proves_and_verifies() {
     let bad = cannabis(dir.path(), &["challenge", "--size", "0"]);
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("outside"), "{}", stderr(&bad));
+}
+
+#[test]
+fn job_submit_quotes_explains_publishes_and_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .arg("--data-dir")
+        .arg(dir.path())
+        .args(["node", "run", "--no-mdns"])
+        .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_node_json(dir.path());
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/examples");
+    let spec = format!("{examples}/synthetic.toml");
+    // The node's own ad is the only one it knows; wait for it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let ads = cannabis(dir.path(), &["market", "ads", "--json"]);
+        if stdout(&ads).contains("cpc1") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no own ad");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let dry = cannabis(dir.path(), &["job", "submit", &spec, "--dry-run"]);
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    let text = stdout(&dry);
+    assert!(
+        text.contains("total budget") && text.contains("200000"),
+        "{text}"
+    );
+    assert!(
+        text.contains("service fee") && text.contains("2000"),
+        "{text}"
+    );
+    assert!(text.contains("1 of 1 known workers qualify"), "{text}");
+    // The GPU example: nobody here has one, and the dry run says which requirement.
+    let bundle = dir.path().join("train-bundle.tar");
+    std::fs::write(&bundle, b"bundle").unwrap();
+    let train = dir.path().join("train.toml");
+    std::fs::copy(format!("{examples}/train.toml"), &train).unwrap();
+    let dry = cannabis(
+        dir.path(),
+        &["job", "submit", train.to_str().unwrap(), "--dry-run"],
+    );
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    let text = stdout(&dry);
+    assert!(text.contains("0 of 1 known workers qualify"), "{text}");
+    assert!(text.contains("GPU memory >= 24 GiB: 1 excluded"), "{text}");
+    // A bad file names the field.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "deadline = \"soon\"\n[[task]]\nname = \"t\"\n[task.workload]\nadapter = \"synthetic\"\n",
+    )
+    .unwrap();
+    let o = cannabis(
+        dir.path(),
+        &["job", "submit", bad.to_str().unwrap(), "--yes"],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("deadline"), "{}", stderr(&o));
+    // Without --yes and with no answer on stdin, nothing is published.
+    let o = cannabis(dir.path(), &["job", "submit", &spec]);
+    assert!(stdout(&o).contains("not published"), "{}", stdout(&o));
+    // Published for real, then listed and reported.
+    let o = cannabis(dir.path(), &["job", "submit", &spec, "--yes", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let job: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let id = job["job_id"].as_str().unwrap();
+    let list = stdout(&cannabis(dir.path(), &["job", "list"]));
+    assert!(
+        list.contains(id) && list.contains("synthetic-check"),
+        "{list}"
+    );
+    let status = cannabis(dir.path(), &["job", "status", id]);
+    assert!(status.status.success(), "{}", stderr(&status));
+    assert!(stdout(&status).contains("bidding"), "{}", stdout(&status));
+    let o = cannabis(dir.path(), &["job", "status", "not-a-job"]);
+    assert!(!o.status.success());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(child.wait().unwrap().success());
 }

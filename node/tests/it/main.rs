@@ -2,5 +2,6 @@
 
 mod cli;
 mod hostile;
+mod market;
 mod net;
 mod swarm;

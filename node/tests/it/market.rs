@@ -1,0 +1,196 @@
+//! The market end to end on a real swarm of five nodes on loopback: a job is submitted on
+//! one node, the others bid, the requester places it and the workers countersign leases;
+//! a group of three gets ranks 0..2 on three distinct workers; a job nobody matches fails
+//! with the requirement that excluded them.
+
+use std::time::Duration;
+
+use cannabis_market::api::{JobDetail, OfferTemplate};
+use cannabis_market::job::{JobState, LeaseState, TaskStatus};
+use cannabis_market::spec::JobSpec;
+
+use crate::net::{self, TestNode, wait_for};
+
+fn template(spec: &str) -> OfferTemplate {
+    JobSpec::parse(spec)
+        .unwrap()
+        .resolve(|_| Err::<_, ()>(()))
+        .unwrap()
+}
+
+fn job_file(name: &str, group: u32, extra: &str) -> String {
+    format!(
+        r#"
+name = "{name}"
+budget = 300_000
+deadline = "10m"
+bid_window = "2s"
+[[task]]
+name = "{name}"
+group_size = {group}
+[task.workload]
+adapter = "synthetic"
+[task.resources]
+cpu = 1
+memory = "64MiB"
+storage = "16MiB"
+{extra}
+"#
+    )
+}
+
+async fn wait_state(
+    node: &TestNode,
+    id: &str,
+    what: &str,
+    done: fn(&JobDetail) -> bool,
+) -> JobDetail {
+    let h = node.handle.clone();
+    let id: cannabis_protocol::Uuid = id.parse().unwrap();
+    wait_for(Duration::from_secs(60), what, || {
+        let h = h.clone();
+        async move { h.job(id).await.ok().filter(done) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_placed_and_leased_across_five_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = net::start(&dir.path().join("n0"), None).await;
+    let mut nodes = vec![first];
+    for i in 1..5 {
+        let n = net::start(&dir.path().join(format!("n{i}")), Some(&nodes[0].addr)).await;
+        nodes.push(n);
+    }
+    let refs: Vec<&TestNode> = nodes.iter().collect();
+    net::wait_converged(&refs, 5).await;
+    let requester = &nodes[0];
+    let workers: Vec<String> = nodes[1..]
+        .iter()
+        .map(|n| n.handle.address().to_string())
+        .collect();
+
+    // A single-worker job: placed on one of the four workers, leased at epoch 1.
+    let single = requester
+        .handle
+        .submit_job(template(&job_file("single", 1, "")))
+        .await
+        .unwrap();
+    let job = wait_state(requester, &single.job_id, "the single job to run", |j| {
+        j.tasks[0].status == TaskStatus::Running
+    })
+    .await;
+    let t = &job.tasks[0];
+    assert_eq!(t.bids.len(), 4, "every other node bid: {:?}", t.bids);
+    assert_eq!(t.ranks.len(), 1);
+    assert_eq!(t.ranks[0].state, LeaseState::Current);
+    assert_eq!(t.ranks[0].epoch, 1);
+    assert!(workers.contains(&t.ranks[0].worker.to_string()));
+    assert!(job.history.iter().any(|e| e.text.contains("leased to")));
+
+    // A group of three: ranks 0, 1, 2 on three distinct workers.
+    let group = requester
+        .handle
+        .submit_job(template(&job_file("group", 3, "")))
+        .await
+        .unwrap();
+    let job = wait_state(requester, &group.job_id, "the group to run", |j| {
+        j.tasks[0].status == TaskStatus::Running
+    })
+    .await;
+    let ranks = &job.tasks[0].ranks;
+    assert_eq!(
+        ranks.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+    let mut distinct: Vec<String> = ranks.iter().map(|r| r.worker.to_string()).collect();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 3);
+    assert!(ranks.iter().all(|r| r.state == LeaseState::Current));
+
+    // Nobody has a GPU: the dry run says so, and the live job fails saying so.
+    let gpu = template(&job_file(
+        "gpu",
+        1,
+        "gpus = 1\n[task.requirements]\ngpu_memory = \"24GiB\"\n",
+    ));
+    let explained = requester.handle.explain(gpu.clone()).await.unwrap();
+    let e = &explained[0].explanation;
+    assert_eq!(e.considered, 5);
+    assert!(e.qualified.is_empty());
+    let lines: Vec<(String, usize)> = e
+        .excluded
+        .iter()
+        .map(|x| (x.text.clone(), x.excluded))
+        .collect();
+    assert!(
+        lines.contains(&("allowed GPUs >= 1".to_string(), 5)),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&("GPU memory >= 24 GiB".to_string(), 5)),
+        "{lines:?}"
+    );
+    let nobody = requester.handle.submit_job(gpu).await.unwrap();
+    let job = wait_state(requester, &nobody.job_id, "the GPU job to fail", |j| {
+        j.summary.state == JobState::Failed
+    })
+    .await;
+    let t = &job.tasks[0];
+    assert_eq!(
+        t.status,
+        TaskStatus::Failed("cannot be placed: no valid bids".into())
+    );
+    let why = t
+        .explanation
+        .as_ref()
+        .expect("an explanation for a job with no bids");
+    assert!(
+        why.excluded
+            .iter()
+            .any(|x| x.text == "GPU memory >= 24 GiB")
+    );
+
+    // The worker holds the lease the requester sees, at the same epoch.
+    let single_job = requester
+        .handle
+        .job(single.job_id.parse().unwrap())
+        .await
+        .unwrap();
+    let leased = &single_job.tasks[0].ranks[0];
+    let worker = nodes
+        .iter()
+        .find(|n| n.handle.address() == leased.worker)
+        .unwrap();
+    let held = worker.handle.leases().await.unwrap();
+    let lease = held.iter().find(|l| l.job_id == single.job_id).unwrap();
+    assert!(lease.lease.live);
+    assert_eq!(lease.lease.epoch, leased.epoch);
+    // Cancelling the single job reaches its worker; it is over for everyone.
+    let id: cannabis_protocol::Uuid = single.job_id.parse().unwrap();
+    let cancelled = requester.handle.cancel_job(id).await.unwrap();
+    assert_eq!(cancelled.state, JobState::Cancelled);
+    let h = worker.handle.clone();
+    let job_id = single.job_id.clone();
+    wait_for(
+        Duration::from_secs(10),
+        "the worker to learn of the cancellation",
+        || {
+            let (h, job_id) = (h.clone(), job_id.clone());
+            async move {
+                let held = h.leases().await.ok()?;
+                let l = held.into_iter().find(|l| l.job_id == job_id)?;
+                (!l.lease.live).then_some(l)
+            }
+        },
+    )
+    .await;
+    drop(h);
+    assert_eq!(requester.handle.jobs().await.unwrap().len(), 3);
+
+    for n in nodes {
+        n.stop().await;
+    }
+}
