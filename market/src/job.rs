@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, Decline, Digest, JobOffer, LeaseAccept, LeaseRenewal,
-    Rendezvous, RosterEntry, Timestamp, Uuid, message_id,
+    NamedDigest, Rendezvous, RosterEntry, TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -162,6 +162,8 @@ pub struct Task {
     pub spent: Amount,
     /// The task's budget.
     pub budget: Amount,
+    /// Digests of the outputs it delivered, by name.
+    pub outputs: BTreeMap<String, Digest>,
     /// The last epoch issued per rank.
     epochs: Vec<u64>,
 }
@@ -231,6 +233,7 @@ impl Job {
                 committed: Amount(0),
                 spent: Amount(0),
                 budget: t.budget,
+                outputs: BTreeMap::new(),
                 epochs: vec![0; t.group_size.max(1) as usize],
             })
             .collect();
@@ -448,12 +451,15 @@ impl Job {
         Ok(())
     }
 
-    /// A rank delivered (reported by the delivery path, after its result verified).
+    /// A rank delivered (reported by the delivery path, after its result verified), with
+    /// the digests of its outputs by name. Tasks that read them get them pinned in their
+    /// awards.
     pub fn on_delivered(
         &mut self,
         task_index: u32,
         rank: u32,
         epoch: u64,
+        outputs: &[NamedDigest],
         now: Timestamp,
     ) -> Result<Vec<Action>, String> {
         let task = self
@@ -469,6 +475,12 @@ impl Job {
         }
         a.state = LeaseState::Done;
         let price = a.price;
+        // Rank 0 speaks for a group's outputs.
+        if rank == 0 {
+            for o in outputs {
+                task.outputs.insert(o.name.clone(), o.digest);
+            }
+        }
         task.committed = Amount(task.committed.0.saturating_sub(price.0));
         task.spent = Amount(task.spent.0.saturating_add(price.0));
         let done = task.ranks.iter().all(|r| r.state == LeaseState::Done);
@@ -654,10 +666,29 @@ impl Job {
         }
     }
 
+    /// The digests of task `i`'s inputs that earlier tasks produced.
+    fn pinned_inputs(&self, i: usize) -> Vec<NamedDigest> {
+        self.offer.tasks[i]
+            .inputs
+            .iter()
+            .filter_map(|input| match input {
+                TaskInput::FromTask { task, output, name } => {
+                    let digest = self.tasks.get(*task as usize)?.outputs.get(output)?;
+                    Some(NamedDigest {
+                        name: name.clone(),
+                        digest: *digest,
+                    })
+                }
+                TaskInput::Staged(_) => None,
+            })
+            .collect()
+    }
+
     fn award(&mut self, i: usize, slots: Vec<Slot>, now: Timestamp, actions: &mut Vec<Action>) {
         let expires_at = now
             .plus_ms(self.config.award_timeout_ms)
             .min(self.offer.deadline);
+        let inputs = self.pinned_inputs(i);
         let group = slots.len() > 1 || self.offer.tasks[i].group_size > 1;
         let task = &mut self.tasks[i];
         task.attempts += 1;
@@ -691,6 +722,7 @@ impl Job {
                     .lease_ms
                     .saturating_sub(self.config.renew_margin_ms),
                 rendezvous: rendezvous.clone(),
+                inputs: inputs.clone(),
             };
             task.ranks.push(Assignment {
                 rank: s.rank,

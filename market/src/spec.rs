@@ -223,7 +223,7 @@ impl JobSpec {
         let raw: RawJob = toml::from_str(text).map_err(|e| {
             let field = e
                 .span()
-                .map(|s| format!("line {}", text[..s.start].lines().count().max(1)))
+                .map(|s| format!("line {}", text[..s.start].matches('\n').count() + 1))
                 .unwrap_or_else(|| "file".into());
             err(field, e.message().to_string())
         })?;
@@ -842,6 +842,10 @@ adapter = "synthetic"
             assert!(e.field.starts_with(field), "{field}: got {e}");
             assert!(!e.problem.is_empty());
         }
+        // Syntax and unknown keys point at the line.
+        let e = error(&MINIMAL.replace("name = \"t\"", "name = \"t\"\nflavour = 1"));
+        assert_eq!(e.field, "line 6");
+        assert!(e.problem.contains("flavour"), "{e}");
         // Graph errors: a dependency that comes later, budgets that disagree.
         let graph = r#"
 deadline = "1h"

@@ -142,7 +142,7 @@ fn a_job_is_placed_on_the_cheapest_bid_and_leased() {
         w.deliver(a, t);
         assert!(w.workers[0].2.is_current(&key, 1, t), "lease lapsed at {t}");
     }
-    let a = w.job.on_delivered(0, 0, 1, t).unwrap();
+    let a = w.job.on_delivered(0, 0, 1, &[], t).unwrap();
     assert!(a.is_empty());
     assert_eq!(w.job.state(), JobState::Completed);
     assert_eq!(w.job.tasks[0].spent, award.price);
@@ -218,7 +218,7 @@ fn an_unanswered_award_is_retried_with_a_new_epoch_elsewhere() {
     let err = w.job.on_accept(&late, later).unwrap_err();
     assert!(err.contains("stale epoch"), "{err}");
     // So is a delivery report for it.
-    assert!(w.job.on_delivered(0, 0, 1, later).is_err());
+    assert!(w.job.on_delivered(0, 0, 1, &[], later).is_err());
 }
 
 #[test]
@@ -295,7 +295,7 @@ fn a_group_retry_must_fit_what_is_left_of_the_budget() {
     let actions = w.job.tick(now);
     w.settle(actions, now);
     assert_eq!(w.job.tasks[0].status, TaskStatus::Running);
-    w.job.on_delivered(0, 0, 1, now).unwrap();
+    w.job.on_delivered(0, 0, 1, &[], now).unwrap();
     let paid = w.job.tasks[0].spent;
     w.job.on_failed(0, 1, 1, "crashed", now).unwrap();
     let TaskStatus::Failed(why) = &w.job.tasks[0].status else {
@@ -349,7 +349,17 @@ fn prices_above_the_share_are_declined_with_a_reason() {
 fn a_failed_task_stops_its_dependants_and_refunds_them() {
     let mut train = testkit::task("train", 1, 0, 0, 1, 100_000);
     let mut eval = testkit::task("eval", 1, 0, 0, 1, 50_000);
-    let prep = testkit::task("prep", 1, 0, 0, 1, 20_000);
+    let mut prep = testkit::task("prep", 1, 0, 0, 1, 20_000);
+    prep.outputs = vec![OutputDecl {
+        name: "shards.tar".into(),
+        max_bytes: 1 << 30,
+        rights: OutputRights::Exclusive,
+    }];
+    train.inputs = vec![TaskInput::FromTask {
+        task: 0,
+        output: "shards.tar".into(),
+        name: "shards.tar".into(),
+    }];
     train.depends_on = vec![0];
     eval.depends_on = vec![1];
     let mut w = world(3, vec![prep, train, eval]);
@@ -363,8 +373,21 @@ fn a_failed_task_stops_its_dependants_and_refunds_them() {
         "only the first task is placed: {actions:?}"
     );
     w.settle(actions, now);
-    // prep delivers: train is placed at once (its window is over), eval waits.
-    let actions = w.job.on_delivered(0, 0, 1, now).unwrap();
+    // prep delivers: train is placed at once (its window is over), with prep's output
+    // pinned by digest in its award; eval waits.
+    let shards = NamedDigest {
+        name: "shards.tar".into(),
+        digest: Digest([9; 32]),
+    };
+    let actions = w
+        .job
+        .on_delivered(0, 0, 1, std::slice::from_ref(&shards), now)
+        .unwrap();
+    let Some(Action::Award(award)) = actions.first() else {
+        panic!("{actions:?}")
+    };
+    assert_eq!(award.task, 1);
+    assert_eq!(award.inputs, vec![shards]);
     assert_eq!(w.job.tasks[1].status, TaskStatus::Leasing);
     assert_eq!(w.job.tasks[2].status, TaskStatus::Waiting);
     w.settle(actions, now);
@@ -612,7 +635,7 @@ fn run(steps: Vec<Step>, group: u32) -> Result<(), TestCaseError> {
                     let actions = if matches!(s, Step::Fail(_)) {
                         w.job.on_failed(task, rank, epoch, "crashed", now)
                     } else {
-                        w.job.on_delivered(task, rank, epoch, now)
+                        w.job.on_delivered(task, rank, epoch, &[], now)
                     };
                     queue.extend(actions.unwrap().into_iter().map(Msg::ToWorker));
                 }

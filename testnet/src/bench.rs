@@ -46,6 +46,54 @@ pub struct BenchReport {
     pub rss_kib_mean: u64,
     /// Idle resident memory per node, KiB: largest.
     pub rss_kib_max: u64,
+    /// The job submitted from node 0 to every other node as one group: its size.
+    pub job_group: u32,
+    /// Its bid window, ms.
+    pub job_bid_window_ms: u64,
+    /// From publishing the job to every rank holding a countersigned lease, ms (node 0's
+    /// clock, from the job's own history).
+    pub job_submit_to_leases_ms: u64,
+    /// The part of that after the bid window: placement, awards, countersignatures.
+    pub job_after_window_ms: u64,
+}
+
+/// Bid window of the benchmark's job.
+const JOB_BID_WINDOW_MS: u64 = 1_000;
+
+/// Submits a group job to every other node and reads, from the job's history, how long it
+/// took from publication to every lease being current.
+fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64)> {
+    let group = u32::try_from(net.nodes.len() - 1)?;
+    let mut t = bench_offer(0);
+    t.name = Some("bench-group".into());
+    t.tasks[0].group_size = group;
+    t.tasks[0].budget = Amount(1_000_000 * u64::from(group));
+    t.ttl_ms = JOB_BID_WINDOW_MS;
+    t.deadline_ms = 600_000;
+    let origin = &net.nodes[0].client;
+    let job = origin.submit_job(&t)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let detail = origin.job(&job.job_id)?;
+        let at = |text: &str| {
+            detail
+                .history
+                .iter()
+                .find(|e| e.text.contains(text))
+                .map(|e| e.at)
+        };
+        if let (Some(start), Some(done)) = (at("offer published"), at("every rank holds")) {
+            return Ok((group, done.ms_since(start)));
+        }
+        if let cannabis_market::job::TaskStatus::Failed(why) = &detail.tasks[0].status {
+            anyhow::bail!("the benchmark job failed: {why}");
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the benchmark job was not leased within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// The offer the benchmark publishes: one small synthetic task.
@@ -124,7 +172,12 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         std::thread::sleep(Duration::from_millis(100));
     }
     let seen = latencies.len();
+    let (job_group, job_ms) = time_job(&net)?;
     Ok(BenchReport {
+        job_group,
+        job_bid_window_ms: JOB_BID_WINDOW_MS,
+        job_submit_to_leases_ms: job_ms,
+        job_after_window_ms: job_ms.saturating_sub(JOB_BID_WINDOW_MS),
         nodes: net.nodes.len(),
         offers: published.len(),
         converge_ms,

@@ -526,7 +526,7 @@ impl Sim {
                 // A delivery counts only under a lease the worker still holds.
                 if !self.is_down(worker) && self.workers[worker].leases.is_current(&key, epoch, now)
                 {
-                    match self.jobs[job].on_delivered(key.1, key.2, epoch, now) {
+                    match self.jobs[job].on_delivered(key.1, key.2, epoch, &[], now) {
                         Ok(actions) => self.job_actions(job, actions),
                         Err(e) if e.contains("stale epoch") => self.report.stale_refused += 1,
                         Err(_) => {}

@@ -222,6 +222,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         expires_at: now.plus_ms(30_000),
         renew_every_ms: 10_000,
         rendezvous: None,
+        inputs: Vec::new(),
     };
     let (award, _) = transmit(&requester, &award)?;
     let accept = LeaseAccept {

@@ -214,6 +214,16 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                     ),
                 ),
                 (
+                    "job to every other node",
+                    format!(
+                        "group of {}: submit to all leases {} ms (bid window {} ms + {} ms placing and leasing)",
+                        r.job_group,
+                        r.job_submit_to_leases_ms,
+                        r.job_bid_window_ms,
+                        r.job_after_window_ms
+                    ),
+                ),
+                (
                     "idle RSS per node",
                     format!(
                         "mean {} MiB  max {} MiB",

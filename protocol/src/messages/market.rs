@@ -76,6 +76,9 @@ pub struct Award {
     pub renew_every_ms: u64,
     /// For group tasks: the private rendezvous of the ranks.
     pub rendezvous: Option<Rendezvous>,
+    /// The digests of the inputs that are outputs of earlier tasks, by the input's name,
+    /// pinned from what those tasks delivered.
+    pub inputs: Vec<super::NamedDigest>,
 }
 
 /// The private rendezvous of a group: its id and who holds each rank.
@@ -197,7 +200,7 @@ impl Message for Award {
                 "rank",
                 "a single-worker award has rank 0 and no rendezvous",
             )),
-            None => Ok(()),
+            None => check_input_names(&self.inputs),
             Some(r) => {
                 for (i, e) in r.roster.iter().enumerate() {
                     if e.rank as usize != i {
@@ -208,7 +211,7 @@ impl Message for Award {
                     }
                 }
                 match r.roster.get(self.rank as usize) {
-                    Some(e) if e.worker == self.worker => Ok(()),
+                    Some(e) if e.worker == self.worker => check_input_names(&self.inputs),
                     _ => Err(Invalid::new(
                         "rendezvous.roster",
                         "must list this award's worker at its rank",
@@ -217,6 +220,19 @@ impl Message for Award {
             }
         }
     }
+}
+
+fn check_input_names(inputs: &[super::NamedDigest]) -> Result<(), Invalid> {
+    let mut seen = std::collections::BTreeSet::new();
+    for i in inputs {
+        if !super::is_safe_name(&i.name) || !seen.insert(i.name.as_str()) {
+            return Err(Invalid::new(
+                "inputs",
+                format!("{:?} is not a safe, unique input name", i.name),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Message for LeaseAccept {

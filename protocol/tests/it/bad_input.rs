@@ -413,6 +413,7 @@ fn awards_for_groups_list_the_worker_at_its_rank() {
             id: Uuid([2; 16]),
             roster,
         }),
+        inputs: Vec::new(),
     };
     assert!(
         Signed::sign(&requester, &award(1, workers[1], roster.clone()))
