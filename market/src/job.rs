@@ -140,7 +140,7 @@ pub struct Assignment {
 }
 
 /// One task's state.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Task {
     /// Status.
     pub status: TaskStatus,
@@ -194,7 +194,11 @@ pub enum JobState {
 }
 
 /// The requester's state machine for one job.
-#[derive(Clone, Debug)]
+///
+/// It serializes (serde) so the node can keep it durably: the node saves a job before it
+/// sends any award the job asked for, so an epoch is never issued twice, even across a
+/// crash.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Job {
     /// The offer as published.
     pub offer: JobOffer,

@@ -63,7 +63,7 @@ impl Class {
 }
 
 /// A verified bid with what placement needs to know about its worker.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Candidate {
     /// The bid.
     pub bid: Bid,

@@ -6,7 +6,8 @@
 //!
 //! What is kept: the signed ads and offers of the live market view (so a restart keeps what
 //! is still valid; everything is re-verified when loaded), bids received for this node's
-//! offers, challenge passes other nodes signed for this one (keyed by verifier), and the
+//! offers, challenge passes other nodes signed for this one (keyed by verifier), the jobs
+//! this node published with their leases and epochs (JSON, keyed by job id), and the
 //! node's sequence counters (so a restart never reuses a sequence number).
 
 use std::path::Path;
@@ -19,6 +20,7 @@ const OFFERS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("offers")
 const BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("bids");
 const COUNTERS: TableDefinition<'_, &str, u64> = TableDefinition::new("counters");
 const PASSES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("challenge_passes");
+const JOBS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("jobs");
 
 /// Which gossip table.
 #[derive(Clone, Copy, Debug)]
@@ -73,6 +75,7 @@ impl Store {
         txn.open_table(BIDS)?;
         txn.open_table(COUNTERS)?;
         txn.open_table(PASSES)?;
+        txn.open_table(JOBS)?;
         txn.commit()?;
         Ok(Self { db })
     }
@@ -134,6 +137,32 @@ impl Store {
     pub fn bids(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         let txn = self.db.begin_read()?;
         let table = txn.open_table(BIDS)?;
+        table
+            .iter()?
+            .map(|row| Ok(row?.1.value().to_vec()))
+            .collect()
+    }
+
+    /// Keeps a job's state, replacing the previous one; durable when this returns.
+    pub fn put_job(&self, id: &[u8], state: &[u8]) -> anyhow::Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(JOBS)?.insert(id, state)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets a job.
+    pub fn remove_job(&self, id: &[u8]) -> anyhow::Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(JOBS)?.remove(id)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Every kept job's state.
+    pub fn jobs(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(JOBS)?;
         table
             .iter()?
             .map(|row| Ok(row?.1.value().to_vec()))

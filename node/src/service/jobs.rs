@@ -19,7 +19,9 @@ use tracing::{debug, info, warn};
 use super::{Node, now};
 use crate::swarm;
 
-/// A job this node published, with what only the requester's node keeps.
+/// A job this node published, with what only the requester's node keeps. Saved in the
+/// store (JSON) after every change and before any award it asks for is sent.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub(crate) struct Tracked {
     pub(crate) job: Job,
     pub(crate) name: String,
@@ -66,8 +68,54 @@ impl Node {
         let job = Job::new(offer, id, self.config.leases.clone(), now().0);
         let tracked = Tracked { job, name };
         let summary = self.job_summary(&tracked);
-        self.jobs.insert(tracked.job.id(), tracked);
+        let id = tracked.job.id();
+        self.jobs.insert(id, tracked);
+        self.save_job(&id)?;
         Ok(summary)
+    }
+
+    /// Writes a job's state to the store; durable when this returns.
+    fn save_job(&mut self, id: &Uuid) -> anyhow::Result<()> {
+        if let Some(t) = self.jobs.get(id) {
+            let state = serde_json::to_vec(t)?;
+            self.store.put_job(&id.0, &state)?;
+        }
+        Ok(())
+    }
+
+    /// A job changed: save it, then carry out what it asked for. Nothing is sent for a job
+    /// whose state could not be saved (an epoch must never be issued twice); its timers
+    /// retry.
+    fn job_changed(&mut self, id: &Uuid, actions: Vec<Action>) {
+        match self.save_job(id) {
+            Ok(()) => self.perform(actions),
+            Err(e) => {
+                warn!(job = %id, error = %format!("{e:#}"), "cannot save the job; holding its messages");
+            }
+        }
+    }
+
+    /// Loads the jobs kept in the store. A job over for a week is forgotten.
+    pub(super) fn restore_jobs(&mut self) -> anyhow::Result<()> {
+        let now_ms = now().0;
+        for bytes in self.store.jobs()? {
+            match serde_json::from_slice::<Tracked>(&bytes) {
+                Ok(t)
+                    if t.job.state() != cannabis_market::job::JobState::Open
+                        && now_ms.ms_since(t.job.offer.deadline) > 7 * 86_400_000 =>
+                {
+                    self.store.remove_job(&t.job.id().0)?;
+                }
+                Ok(t) => {
+                    self.jobs.insert(t.job.id(), t);
+                }
+                Err(e) => warn!(error = %e, "a kept job does not load; left in the store"),
+            }
+        }
+        if !self.jobs.is_empty() {
+            info!(jobs = self.jobs.len(), "jobs restored from the store");
+        }
+        Ok(())
     }
 
     pub(super) fn job_summary(&self, t: &Tracked) -> api::JobSummary {
@@ -146,7 +194,7 @@ impl Node {
             anyhow::bail!("job {id} is already over ({:?})", t.job.state());
         }
         let actions = t.job.cancel("cancelled by the requester", now_ms);
-        self.perform(actions);
+        self.job_changed(id, actions);
         let t = &self.jobs[id];
         Ok(self.job_summary(t))
     }
@@ -166,13 +214,22 @@ impl Node {
     /// Moves every open job and this node's leases on to now.
     pub(super) fn tick_jobs(&mut self) {
         let now_ms = now().0;
-        let mut actions = Vec::new();
-        for t in self.jobs.values_mut() {
-            if t.job.next_wake().is_some_and(|at| at <= now_ms) {
-                actions.extend(t.job.tick(now_ms));
+        let due: Vec<Uuid> = self
+            .jobs
+            .iter()
+            .filter(|(_, t)| t.job.next_wake().is_some_and(|at| at <= now_ms))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            if let Some(t) = self.jobs.get_mut(&id) {
+                let before = (t.job.state(), t.job.history.len());
+                let actions = t.job.tick(now_ms);
+                let after = (t.job.state(), t.job.history.len());
+                if !actions.is_empty() || before != after {
+                    self.job_changed(&id, actions);
+                }
             }
         }
-        self.perform(actions);
         for stopped in self.leases.tick(now_ms) {
             info!(job = %stopped.key.0, task = stopped.key.1, rank = stopped.key.2,
                   epoch = stopped.epoch, reason = %stopped.reason, "lease ended");
@@ -255,38 +312,32 @@ impl Node {
                 },
                 Ok(MarketResponse::Refused { reason }),
             ) => {
+                let why = format!("the worker refused the award: {reason}");
                 if let Some(t) = self.jobs.get_mut(&job)
-                    && let Ok(actions) = t.job.on_failed(
-                        task,
-                        rank,
-                        epoch,
-                        &format!("the worker refused the award: {reason}"),
-                        now_ms,
-                    )
+                    && let Ok(actions) = t.job.on_failed(task, rank, epoch, &why, now_ms)
                 {
-                    self.perform(actions);
+                    self.job_changed(&job, actions);
                 }
             }
             (Purpose::Renew(r), Ok(MarketResponse::Ack)) => {
-                if let Some(t) = self.jobs.get_mut(&r.job_id)
-                    && let Err(e) = t
+                if let Some(t) = self.jobs.get_mut(&r.job_id) {
+                    match t
                         .job
                         .on_renewed(r.task, r.rank, r.epoch, r.expires_at, now_ms)
-                {
-                    debug!(job = %r.job_id, error = %e, "renewal acknowledgment not used");
+                    {
+                        Ok(()) => self.job_changed(&r.job_id, Vec::new()),
+                        Err(e) => {
+                            debug!(job = %r.job_id, error = %e, "renewal acknowledgment not used");
+                        }
+                    }
                 }
             }
             (Purpose::Renew(r), Ok(MarketResponse::Refused { reason })) => {
+                let why = format!("the worker refused the renewal: {reason}");
                 if let Some(t) = self.jobs.get_mut(&r.job_id)
-                    && let Ok(actions) = t.job.on_failed(
-                        r.task,
-                        r.rank,
-                        r.epoch,
-                        &format!("the worker refused the renewal: {reason}"),
-                        now_ms,
-                    )
+                    && let Ok(actions) = t.job.on_failed(r.task, r.rank, r.epoch, &why, now_ms)
                 {
-                    self.perform(actions);
+                    self.job_changed(&r.job_id, actions);
                 }
             }
             (purpose, Err(e)) => {
@@ -373,8 +424,11 @@ impl Node {
             return Err(format!("your ad does not meet: {}", list.join(", ")));
         }
         let class = Class::of(spec, &ad.ad);
-        let t = self.jobs.get_mut(&bid.job_id).ok_or("no such job")?;
-        t.job.on_bid(bid, id, class, now_ms)
+        let job_id = bid.job_id;
+        let t = self.jobs.get_mut(&job_id).ok_or("no such job")?;
+        t.job.on_bid(bid, id, class, now_ms)?;
+        self.job_changed(&job_id, Vec::new());
+        Ok(())
     }
 
     pub(super) fn take_decline(&mut self, signed: &Signed<Decline>) -> Result<(), String> {
@@ -383,7 +437,10 @@ impl Node {
             .jobs
             .get_mut(&d.job_id)
             .ok_or("no such job of this node")?;
-        t.job.on_decline(d, now().0)
+        let job_id = d.job_id;
+        t.job.on_decline(d, now().0)?;
+        self.job_changed(&job_id, Vec::new());
+        Ok(())
     }
 
     pub(super) fn take_accept(&mut self, signed: &Signed<LeaseAccept>) -> Result<(), String> {
@@ -393,7 +450,7 @@ impl Node {
             .get_mut(&a.job_id)
             .ok_or("no such job of this node")?;
         let actions = t.job.on_accept(&a, now().0)?;
-        self.perform(actions);
+        self.job_changed(&a.job_id, actions);
         Ok(())
     }
 

@@ -224,6 +224,27 @@ async fn a_restart_keeps_the_live_market() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_the_requesters_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("node");
+    let node = net::start(&path, None).await;
+    let mut t = net::offer(60_000);
+    t.name = Some("kept".into());
+    let job = node.handle.submit_job(t).await.unwrap();
+    node.stop().await;
+
+    let node = net::start(&path, None).await;
+    let jobs = node.handle.jobs().await.unwrap();
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    assert_eq!(jobs[0].job_id, job.job_id);
+    assert_eq!(jobs[0].name, "kept");
+    assert_eq!(jobs[0].tasks, vec!["bidding".to_string()]);
+    let detail = node.handle.job(job.job_id.parse().unwrap()).await.unwrap();
+    assert!(detail.history[0].text.contains("offer published"));
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_connect_over_quic() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = net::config(None);
