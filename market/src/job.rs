@@ -624,7 +624,8 @@ impl Job {
                     for a in &t.ranks {
                         match a.state {
                             LeaseState::Offered => at.push(a.expires_at),
-                            LeaseState::Current => {
+                            // A lease that already runs to the deadline is not renewed.
+                            LeaseState::Current if a.expires_at < self.offer.deadline => {
                                 let renew = Timestamp(a.expires_at.0.saturating_sub(margin));
                                 let resend = a
                                     .renewal_sent

@@ -42,6 +42,14 @@ pub(crate) fn now() -> (Timestamp, u64) {
     (Timestamp(us / 1000), us)
 }
 
+/// Sleeps until `at`, or forever.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// What the driver is asked to do.
 pub(crate) enum Command {
     Status(oneshot::Sender<api::Status>),
@@ -260,8 +268,12 @@ impl Node {
         let mut expiry = tokio::time::interval(Duration::from_millis(250));
         expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            // Jobs are woken exactly when their state machine asks (end of a bid window,
+            // an award's deadline, a renewal), not at the next expiry tick.
+            let job_wake = self.next_job_wake();
             tokio::select! {
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                () = sleep_until(job_wake) => self.tick_jobs(),
                 command = commands.recv() => match command {
                     Some(c) => self.on_command(c),
                     None => break,

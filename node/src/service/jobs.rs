@@ -211,6 +211,15 @@ impl Node {
             .collect())
     }
 
+    /// When the earliest job next needs a tick, on the runtime's clock.
+    pub(super) fn next_job_wake(&self) -> Option<tokio::time::Instant> {
+        let at = self.jobs.values().filter_map(|t| t.job.next_wake()).min()?;
+        // At least a few milliseconds: a job that has nothing to do at its wake time must
+        // not spin the driver.
+        let wait = at.0.saturating_sub(now().0.0).max(5);
+        Some(tokio::time::Instant::now() + std::time::Duration::from_millis(wait))
+    }
+
     /// Moves every open job and this node's leases on to now.
     pub(super) fn tick_jobs(&mut self) {
         let now_ms = now().0;
