@@ -46,6 +46,15 @@ pub struct Stopped {
     pub reason: String,
 }
 
+/// What [`Leases::prune`] forgot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Bids, by message id.
+    pub bids: Vec<Digest>,
+    /// Leases.
+    pub leases: Vec<AssignmentKey>,
+}
+
 /// The leases of one worker.
 #[derive(Clone, Debug, Default)]
 pub struct Leases {
@@ -70,10 +79,37 @@ impl Leases {
     }
 
     /// Forgets bids whose quote ran out and leases over for long enough.
-    pub fn prune(&mut self, now: Timestamp, keep_ended_ms: u64) {
-        self.bids.retain(|_, (b, _)| b.valid_until > now);
-        self.leases
-            .retain(|_, l| l.live || now.ms_since(l.expires_at) < keep_ended_ms);
+    /// Returns what was forgotten, so a durable copy can forget it too.
+    pub fn prune(&mut self, now: Timestamp, keep_ended_ms: u64) -> Pruned {
+        let mut pruned = Pruned::default();
+        self.bids.retain(|id, (b, _)| {
+            let keep = b.valid_until > now;
+            if !keep {
+                pruned.bids.push(*id);
+            }
+            keep
+        });
+        self.leases.retain(|key, l| {
+            let keep = l.live || now.ms_since(l.expires_at) < keep_ended_ms;
+            if !keep {
+                pruned.leases.push(*key);
+            }
+            keep
+        });
+        pruned
+    }
+
+    /// Rebuilds the leases of worker `me` from a durable copy.
+    pub fn restore(
+        me: Address,
+        bids: impl IntoIterator<Item = (Digest, Bid, Address)>,
+        leases: impl IntoIterator<Item = (AssignmentKey, Lease)>,
+    ) -> Self {
+        Self {
+            me: Some(me),
+            bids: bids.into_iter().map(|(id, b, r)| (id, (b, r))).collect(),
+            leases: leases.into_iter().collect(),
+        }
     }
 
     /// The lease on an assignment, live or not.

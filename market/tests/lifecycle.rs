@@ -588,7 +588,10 @@ fn run(steps: Vec<Step>, group: u32) -> Result<(), TestCaseError> {
                 queue.extend(w.job.tick(now).into_iter().map(Msg::ToWorker));
                 // After a tick, the job never asks to be woken in the past (the node
                 // sleeps until then; a past time would spin it).
-                prop_assert!(w.job.next_wake().is_none_or(|t| t > now), "wake in the past");
+                prop_assert!(
+                    w.job.next_wake().is_none_or(|t| t > now),
+                    "wake in the past"
+                );
             }
             Step::Deliver(i) | Step::Duplicate(i) | Step::Drop(i) if !queue.is_empty() => {
                 let at = i % queue.len();

@@ -236,6 +236,7 @@ impl Node {
         info!(kept, "market view restored from the store");
         self.restore_passes()?;
         self.restore_jobs()?;
+        self.restore_worker()?;
         Ok(())
     }
 

@@ -7,8 +7,8 @@
 //! What is kept: the signed ads and offers of the live market view (so a restart keeps what
 //! is still valid; everything is re-verified when loaded), bids received for this node's
 //! offers, challenge passes other nodes signed for this one (keyed by verifier), the jobs
-//! this node published with their leases and epochs (JSON, keyed by job id), and the
-//! node's sequence counters (so a restart never reuses a sequence number).
+//! this node published with their leases and epochs (JSON, keyed by job id), the bids and
+//! leases it holds as a worker, and the node's sequence counters (so a restart never reuses a sequence number).
 
 use std::path::Path;
 
@@ -21,6 +21,34 @@ const BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("bids");
 const COUNTERS: TableDefinition<'_, &str, u64> = TableDefinition::new("counters");
 const PASSES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("challenge_passes");
 const JOBS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("jobs");
+const WORKER_BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("worker_bids");
+const WORKER_LEASES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("worker_leases");
+
+type Table = TableDefinition<'static, &'static [u8], &'static [u8]>;
+
+/// Records a store keeps as opaque bytes under a byte key.
+#[derive(Clone, Copy, Debug)]
+pub enum Records {
+    /// Jobs this node published (JSON), by job id.
+    Jobs,
+    /// Challenge passes for this node (signed bytes), by verifier.
+    Passes,
+    /// Bids this node sent as a worker (JSON), by message id.
+    WorkerBids,
+    /// Leases this node holds as a worker (JSON), by assignment.
+    WorkerLeases,
+}
+
+impl Records {
+    fn table(self) -> Table {
+        match self {
+            Records::Jobs => JOBS,
+            Records::Passes => PASSES,
+            Records::WorkerBids => WORKER_BIDS,
+            Records::WorkerLeases => WORKER_LEASES,
+        }
+    }
+}
 
 /// Which gossip table.
 #[derive(Clone, Copy, Debug)]
@@ -74,8 +102,14 @@ impl Store {
         txn.open_table(OFFERS)?;
         txn.open_table(BIDS)?;
         txn.open_table(COUNTERS)?;
-        txn.open_table(PASSES)?;
-        txn.open_table(JOBS)?;
+        for r in [
+            Records::Jobs,
+            Records::Passes,
+            Records::WorkerBids,
+            Records::WorkerLeases,
+        ] {
+            txn.open_table(r.table())?;
+        }
         txn.commit()?;
         Ok(Self { db })
     }
@@ -143,55 +177,32 @@ impl Store {
             .collect()
     }
 
-    /// Keeps a job's state, replacing the previous one; durable when this returns.
-    pub fn put_job(&self, id: &[u8], state: &[u8]) -> anyhow::Result<()> {
+    /// Keeps a record under `key`, replacing the previous one; durable when this returns.
+    pub fn put_record(&self, records: Records, key: &[u8], value: &[u8]) -> anyhow::Result<()> {
         let txn = self.db.begin_write()?;
-        txn.open_table(JOBS)?.insert(id, state)?;
+        txn.open_table(records.table())?.insert(key, value)?;
         txn.commit()?;
         Ok(())
     }
 
-    /// Forgets a job.
-    pub fn remove_job(&self, id: &[u8]) -> anyhow::Result<()> {
+    /// Forgets the record under `key`.
+    pub fn remove_record(&self, records: Records, key: &[u8]) -> anyhow::Result<()> {
         let txn = self.db.begin_write()?;
-        txn.open_table(JOBS)?.remove(id)?;
+        txn.open_table(records.table())?.remove(key)?;
         txn.commit()?;
         Ok(())
     }
 
-    /// Every kept job's state.
-    pub fn jobs(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+    /// Every record kept, as `(key, value)`.
+    pub fn records(&self, records: Records) -> anyhow::Result<Vec<(Vec<u8>, Vec<u8>)>> {
         let txn = self.db.begin_read()?;
-        let table = txn.open_table(JOBS)?;
+        let table = txn.open_table(records.table())?;
         table
             .iter()?
-            .map(|row| Ok(row?.1.value().to_vec()))
-            .collect()
-    }
-
-    /// Keeps a challenge pass for this node, replacing the one from the same verifier.
-    pub fn put_pass(&self, verifier: &[u8], signed: &[u8]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
-        txn.open_table(PASSES)?.insert(verifier, signed)?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Forgets the pass from `verifier`.
-    pub fn remove_pass(&self, verifier: &[u8]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
-        txn.open_table(PASSES)?.remove(verifier)?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Every kept challenge pass, as signed bytes.
-    pub fn passes(&self) -> anyhow::Result<Vec<Vec<u8>>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(PASSES)?;
-        table
-            .iter()?
-            .map(|row| Ok(row?.1.value().to_vec()))
+            .map(|row| {
+                let (k, v) = row?;
+                Ok((k.value().to_vec(), v.value().to_vec()))
+            })
             .collect()
     }
 

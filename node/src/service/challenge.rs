@@ -19,6 +19,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::{Command, Node, now};
+use crate::store::Records;
 use crate::swarm;
 
 /// A challenge this node set, waiting for its answer.
@@ -278,7 +279,11 @@ impl Node {
         }
         self.answered.retain(|a| a != &(peer, pass.seed));
         self.store
-            .put_pass(pass.verifier.to_string().as_bytes(), &signed.to_bytes())
+            .put_record(
+                Records::Passes,
+                pass.verifier.to_string().as_bytes(),
+                &signed.to_bytes(),
+            )
             .map_err(|e| format!("cannot keep the pass: {e:#}"))?;
         info!(verifier = %pass.verifier, n = pass.n, "challenge pass received");
         self.own_passes.insert(pass.verifier, (signed, pass));
@@ -299,7 +304,10 @@ impl Node {
                 .map(|(v, _)| *v);
             let Some(oldest) = oldest else { break };
             self.own_passes.remove(&oldest);
-            if let Err(e) = self.store.remove_pass(oldest.to_string().as_bytes()) {
+            if let Err(e) = self
+                .store
+                .remove_record(Records::Passes, oldest.to_string().as_bytes())
+            {
                 warn!(error = %format!("{e:#}"), "store");
             }
         }
@@ -316,7 +324,7 @@ impl Node {
 
     /// Loads the kept passes, re-verified; drops any that no longer hold.
     pub(super) fn restore_passes(&mut self) -> anyhow::Result<()> {
-        for bytes in self.store.passes()? {
+        for (_, bytes) in self.store.records(Records::Passes)? {
             let kept = Signed::<ChallengePass>::from_bytes(&bytes)
                 .ok()
                 .and_then(|s| Some((s.verify().ok()?.body, s)))

@@ -6,6 +6,7 @@
 
 use cannabis_market::api::{self, OfferTemplate};
 use cannabis_market::job::{Action, Job, TaskStatus};
+use cannabis_market::lease::AssignmentKey;
 use cannabis_market::matching;
 use cannabis_market::placement::Class;
 use cannabis_market::quote::{self, Answer};
@@ -17,6 +18,7 @@ use libp2p::PeerId;
 use tracing::{debug, info, warn};
 
 use super::{Node, now};
+use crate::store::Records;
 use crate::swarm;
 
 /// A job this node published, with what only the requester's node keeps. Saved in the
@@ -25,6 +27,27 @@ use crate::swarm;
 pub(crate) struct Tracked {
     pub(crate) job: Job,
     pub(crate) name: String,
+}
+
+/// A bid this node sent as a worker, as kept in the store.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SentBid {
+    bid: cannabis_protocol::Bid,
+    requester: cannabis_protocol::Address,
+}
+
+fn assignment_key(key: &AssignmentKey) -> Vec<u8> {
+    let mut k = key.0.0.to_vec();
+    k.extend_from_slice(&key.1.to_le_bytes());
+    k.extend_from_slice(&key.2.to_le_bytes());
+    k
+}
+
+fn parse_assignment_key(k: &[u8]) -> Option<AssignmentKey> {
+    let uuid: [u8; 16] = k.get(..16)?.try_into().ok()?;
+    let task = u32::from_le_bytes(k.get(16..20)?.try_into().ok()?);
+    let rank = u32::from_le_bytes(k.get(20..24)?.try_into().ok()?);
+    Some((Uuid(uuid), task, rank))
 }
 
 /// What one of this node's own market requests was for.
@@ -78,7 +101,7 @@ impl Node {
     fn save_job(&mut self, id: &Uuid) -> anyhow::Result<()> {
         if let Some(t) = self.jobs.get(id) {
             let state = serde_json::to_vec(t)?;
-            self.store.put_job(&id.0, &state)?;
+            self.store.put_record(Records::Jobs, &id.0, &state)?;
         }
         Ok(())
     }
@@ -98,13 +121,13 @@ impl Node {
     /// Loads the jobs kept in the store. A job over for a week is forgotten.
     pub(super) fn restore_jobs(&mut self) -> anyhow::Result<()> {
         let now_ms = now().0;
-        for bytes in self.store.jobs()? {
+        for (_, bytes) in self.store.records(Records::Jobs)? {
             match serde_json::from_slice::<Tracked>(&bytes) {
                 Ok(t)
                     if t.job.state() != cannabis_market::job::JobState::Open
                         && now_ms.ms_since(t.job.offer.deadline) > 7 * 86_400_000 =>
                 {
-                    self.store.remove_job(&t.job.id().0)?;
+                    self.store.remove_record(Records::Jobs, &t.job.id().0)?;
                 }
                 Ok(t) => {
                     self.jobs.insert(t.job.id(), t);
@@ -242,8 +265,61 @@ impl Node {
         for stopped in self.leases.tick(now_ms) {
             info!(job = %stopped.key.0, task = stopped.key.1, rank = stopped.key.2,
                   epoch = stopped.epoch, reason = %stopped.reason, "lease ended");
+            self.save_lease(&stopped.key);
         }
-        self.leases.prune(now_ms, 3_600_000);
+        let pruned = self.leases.prune(now_ms, 3_600_000);
+        for id in pruned.bids {
+            self.forget(Records::WorkerBids, &id.0);
+        }
+        for key in pruned.leases {
+            self.forget(Records::WorkerLeases, &assignment_key(&key));
+        }
+    }
+
+    fn forget(&mut self, records: Records, key: &[u8]) {
+        if let Err(e) = self.store.remove_record(records, key) {
+            warn!(error = %format!("{e:#}"), "store");
+        }
+    }
+
+    /// Writes one of this node's worker leases to the store.
+    fn save_lease(&mut self, key: &AssignmentKey) {
+        let Some(lease) = self.leases.get(key) else {
+            return;
+        };
+        let saved = serde_json::to_vec(lease)
+            .map_err(anyhow::Error::from)
+            .and_then(|v| {
+                self.store
+                    .put_record(Records::WorkerLeases, &assignment_key(key), &v)
+            });
+        if let Err(e) = saved {
+            warn!(error = %format!("{e:#}"), "cannot save a lease");
+        }
+    }
+
+    /// Loads the bids and leases this node keeps as a worker.
+    pub(super) fn restore_worker(&mut self) -> anyhow::Result<()> {
+        let bids: Vec<_> = self
+            .store
+            .records(Records::WorkerBids)?
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let id = Digest(k.as_slice().try_into().ok()?);
+                let sent: SentBid = serde_json::from_slice(&v).ok()?;
+                Some((id, sent.bid, sent.requester))
+            })
+            .collect();
+        let leases: Vec<_> = self
+            .store
+            .records(Records::WorkerLeases)?
+            .into_iter()
+            .filter_map(|(k, v)| {
+                Some((parse_assignment_key(&k)?, serde_json::from_slice(&v).ok()?))
+            })
+            .collect();
+        self.leases = cannabis_market::lease::Leases::restore(self.address, bids, leases);
+        Ok(())
     }
 
     /// Signs and sends what the jobs asked for.
@@ -381,6 +457,22 @@ impl Node {
             match quote::answer(&self.config.worker, &own, &offer, id, task, &ctx) {
                 Some(Answer::Bid(bid)) => {
                     let signed = Signed::sign(&self.keys.signing, &bid);
+                    let sent = SentBid {
+                        bid: bid.clone(),
+                        requester: offer.requester,
+                    };
+                    // Kept before it is sent: an award for it must be recognised after a
+                    // restart.
+                    let kept = serde_json::to_vec(&sent)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|v| {
+                            self.store
+                                .put_record(Records::WorkerBids, &signed.id().0, &v)
+                        });
+                    if let Err(e) = kept {
+                        warn!(error = %format!("{e:#}"), "cannot keep the bid; not sending it");
+                        continue;
+                    }
                     self.leases
                         .on_bid_sent(signed.id(), bid.clone(), offer.requester);
                     info!(job = %offer.job_id, task, price = %bid.price, "bid sent");
@@ -474,6 +566,7 @@ impl Node {
         }
         let award = verified.body;
         let (accept, superseded) = self.leases.on_award(&award, verified.id, now().0)?;
+        self.save_lease(&(award.job_id, award.task, award.rank));
         if let Some(s) = superseded {
             info!(job = %s.key.0, epoch = s.epoch, reason = %s.reason, "lease superseded");
         }
@@ -490,13 +583,16 @@ impl Node {
 
     pub(super) fn take_renewal(&mut self, signed: &Signed<LeaseRenewal>) -> Result<(), String> {
         let r = signed.verify().map_err(|e| e.to_string())?.body;
-        self.leases.on_renewal(&r, now().0)
+        self.leases.on_renewal(&r, now().0)?;
+        self.save_lease(&(r.job_id, r.task, r.rank));
+        Ok(())
     }
 
     pub(super) fn take_cancel(&mut self, signed: &Signed<Cancel>) -> Result<(), String> {
         let c = signed.verify().map_err(|e| e.to_string())?.body;
         for s in self.leases.on_cancel(&c, now().0) {
             info!(job = %s.key.0, task = s.key.1, rank = s.key.2, reason = %s.reason, "lease cancelled");
+            self.save_lease(&s.key);
         }
         Ok(())
     }

@@ -194,3 +194,32 @@ async fn jobs_are_placed_and_leased_across_five_nodes() {
         n.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restart_keeps_its_bids_and_leases() {
+    let dir = tempfile::tempdir().unwrap();
+    let requester = net::start(&dir.path().join("req"), None).await;
+    let worker = net::start(&dir.path().join("work"), Some(&requester.addr)).await;
+    net::wait_converged(&[&requester, &worker], 2).await;
+    let job = requester
+        .handle
+        .submit_job(template(&job_file("kept", 1, "")))
+        .await
+        .unwrap();
+    let detail = wait_state(&requester, &job.job_id, "the job to run", |j| {
+        j.tasks[0].status == TaskStatus::Running
+    })
+    .await;
+    let epoch = detail.tasks[0].ranks[0].epoch;
+    worker.stop().await;
+
+    let worker = net::start(&dir.path().join("work"), Some(&requester.addr)).await;
+    let held = worker.handle.leases().await.unwrap();
+    let lease = held
+        .iter()
+        .find(|l| l.job_id == job.job_id)
+        .expect("the lease survived the restart");
+    assert_eq!(lease.lease.epoch, epoch);
+    worker.stop().await;
+    requester.stop().await;
+}
