@@ -21,6 +21,18 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 nodes,
                 ready_timeout: Duration::from_secs(30),
             };
+            // Signals are caught from the start: a Ctrl-C while the nodes start (or right
+            // after the line that mentions it) must stop them, not kill this process alone.
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (mut int, mut term) = runtime.block_on(async {
+                use tokio::signal::unix::{SignalKind, signal};
+                anyhow::Ok((
+                    signal(SignalKind::interrupt())?,
+                    signal(SignalKind::terminate())?,
+                ))
+            })?;
             out!("starting {nodes} nodes in {} ...", dir.display())?;
             let mut net = Testnet::up(&opts)?;
             out!("{:<6} {:<54} {:<22} data dir", "node", "peer id", "api")?;
@@ -39,18 +51,12 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 dir.display(),
                 dir.display()
             )?;
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
             runtime.block_on(async {
-                let mut term =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
                 tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
+                    _ = int.recv() => {}
                     _ = term.recv() => {}
                 }
-                anyhow::Ok(())
-            })?;
+            });
             net.stop();
             out!("stopped")?;
             Ok(())
