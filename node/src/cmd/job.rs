@@ -225,10 +225,13 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
             }
         }
     }
-    out!("\nhistory:")?;
+    // Times relative to publication, then the last 30 events.
+    let start = job.history.first().map(|e| e.at).unwrap_or_default();
+    out!("\nhistory (seconds after publication):")?;
     for e in job.history.iter().rev().take(30).rev() {
         let task = e.task.map(|t| format!("task {t}: ")).unwrap_or_default();
-        out!("  {} {task}{}", e.at, e.text)?;
+        let ms = e.at.ms_since(start);
+        out!("  {:>9}.{:03} {task}{}", ms / 1000, ms % 1000, e.text)?;
     }
     Ok(())
 }

@@ -178,7 +178,7 @@ impl Node {
                 let unplaced =
                     matches!(&task.status, TaskStatus::Failed(r) if r.contains("cannot be placed"));
                 let explanation = (task.bids.is_empty() || unplaced)
-                    .then(|| matching::explain(spec, self.view.ads().map(|e| &e.ad), &ctx));
+                    .then(|| matching::explain(spec, self.worker_ads(), &ctx));
                 api::TaskDetail {
                     name: spec.name.clone(),
                     status: task.status.clone(),
@@ -222,6 +222,16 @@ impl Node {
         Ok(self.job_summary(t))
     }
 
+    /// The ads of the nodes that could work for this node: every known ad but its own (a
+    /// node does not bid on its own offers).
+    fn worker_ads(&self) -> impl Iterator<Item = &cannabis_protocol::CapabilityAd> {
+        let me = self.address;
+        self.view
+            .ads()
+            .map(|e| &e.ad)
+            .filter(move |ad| ad.node != me)
+    }
+
     /// How each task of a template matches the ads this node knows (`job submit --dry-run`).
     pub(super) fn explain(&self, t: &OfferTemplate) -> anyhow::Result<Vec<api::TaskExplanation>> {
         let ctx = self.matching_context();
@@ -229,7 +239,7 @@ impl Node {
             .iter()
             .map(|task| api::TaskExplanation {
                 task: task.name.clone(),
-                explanation: matching::explain(task, self.view.ads().map(|e| &e.ad), &ctx),
+                explanation: matching::explain(task, self.worker_ads(), &ctx),
             })
             .collect())
     }

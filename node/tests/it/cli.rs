@@ -525,17 +525,35 @@ fn job_submit_quotes_explains_publishes_and_reports() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    wait_node_json(dir.path());
+    let info = wait_node_json(dir.path());
+    // A second node, the only worker the first one can know (a node does not bid on its
+    // own offers, so its own ad does not count).
+    let worker_dir = tempfile::tempdir().unwrap();
+    let bootstrap = format!(
+        "{}/p2p/{}",
+        info["listen_addrs"][0].as_str().unwrap(),
+        info["peer_id"].as_str().unwrap()
+    );
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .arg("--data-dir")
+        .arg(worker_dir.path())
+        .args(["node", "run", "--no-mdns", "--bootstrap", &bootstrap])
+        .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/examples");
     let spec = format!("{examples}/synthetic.toml");
-    // The node's own ad is the only one it knows; wait for it.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         let ads = cannabis(dir.path(), &["market", "ads", "--json"]);
-        if stdout(&ads).contains("cpc1") {
+        if stdout(&ads).matches("cpc1").count() >= 2 {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "no own ad");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker's ad did not arrive"
+        );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     let dry = cannabis(dir.path(), &["job", "submit", &spec, "--dry-run"]);
@@ -594,10 +612,12 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     assert!(stdout(&status).contains("bidding"), "{}", stdout(&status));
     let o = cannabis(dir.path(), &["job", "status", "not-a-job"]);
     assert!(!o.status.success());
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    assert!(child.wait().unwrap().success());
+    for c in [&mut worker, &mut child] {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        assert!(c.wait().unwrap().success());
+    }
 }
