@@ -429,6 +429,24 @@ impl Job {
         Ok(vec![Action::Renew(renewal)])
     }
 
+    /// The assignment of `rank` of task `task_index`, if it is at `epoch` (the fencing check).
+    fn at_epoch(
+        &mut self,
+        task_index: u32,
+        rank: u32,
+        epoch: u64,
+    ) -> Result<&mut Assignment, String> {
+        let a = self
+            .tasks
+            .get_mut(task_index as usize)
+            .and_then(|t| t.ranks.get_mut(rank as usize))
+            .ok_or("no such assignment")?;
+        if a.epoch != epoch {
+            return Err(format!("stale epoch {epoch} (current {})", a.epoch));
+        }
+        Ok(a)
+    }
+
     /// The worker acknowledged a renewal up to `expires_at`: the lease is extended.
     pub fn on_renewed(
         &mut self,
@@ -439,14 +457,7 @@ impl Job {
         now: Timestamp,
     ) -> Result<(), String> {
         let deadline = self.offer.deadline;
-        let a = self
-            .tasks
-            .get_mut(task_index as usize)
-            .and_then(|t| t.ranks.get_mut(rank as usize))
-            .ok_or("no such assignment")?;
-        if a.epoch != epoch {
-            return Err(format!("stale epoch {epoch} (current {})", a.epoch));
-        }
+        let a = self.at_epoch(task_index, rank, epoch)?;
         if a.state != LeaseState::Current || now >= a.expires_at {
             return Err("the lease is not current".into());
         }
@@ -518,14 +529,7 @@ impl Job {
         reason: &str,
         now: Timestamp,
     ) -> Result<Vec<Action>, String> {
-        let a = self
-            .tasks
-            .get(task_index as usize)
-            .and_then(|t| t.ranks.get(rank as usize))
-            .ok_or("no such assignment")?;
-        if a.epoch != epoch {
-            return Err(format!("stale epoch {epoch} (current {})", a.epoch));
-        }
+        let a = self.at_epoch(task_index, rank, epoch)?;
         if !matches!(a.state, LeaseState::Offered | LeaseState::Current) {
             return Err("the lease is not live".into());
         }

@@ -46,6 +46,17 @@ pub struct Stopped {
     pub reason: String,
 }
 
+/// Ends a live lease for `reason`; its workload stops.
+fn end(key: &AssignmentKey, lease: &mut Lease, reason: String) -> Stopped {
+    lease.live = false;
+    lease.ended = Some(reason.clone());
+    Stopped {
+        key: *key,
+        epoch: lease.epoch,
+        reason,
+    }
+}
+
 /// What [`Leases::prune`] forgot.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Pruned {
@@ -222,15 +233,9 @@ impl Leases {
         for (key, lease) in &mut self.leases {
             let named = key.0 == cancel.job_id && cancel.task.is_none_or(|t| t == key.1);
             if named && lease.live && lease.requester == cancel.requester {
-                lease.live = false;
                 lease.expires_at = lease.expires_at.min(now);
                 let reason = format!("cancelled by the requester: {}", cancel.reason);
-                lease.ended = Some(reason.clone());
-                stopped.push(Stopped {
-                    key: *key,
-                    epoch: lease.epoch,
-                    reason,
-                });
+                stopped.push(end(key, lease, reason));
             }
         }
         stopped
@@ -241,14 +246,8 @@ impl Leases {
         let mut stopped = Vec::new();
         for (key, lease) in &mut self.leases {
             if lease.live && lease.expires_at <= now {
-                lease.live = false;
                 let reason = "the lease expired (not renewed in time)".to_string();
-                lease.ended = Some(reason.clone());
-                stopped.push(Stopped {
-                    key: *key,
-                    epoch: lease.epoch,
-                    reason,
-                });
+                stopped.push(end(key, lease, reason));
             }
         }
         stopped

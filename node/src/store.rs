@@ -29,6 +29,8 @@ type Table = TableDefinition<'static, &'static [u8], &'static [u8]>;
 /// Records a store keeps as opaque bytes under a byte key.
 #[derive(Clone, Copy, Debug)]
 pub enum Records {
+    /// Verified bids for this node's offers (signed bytes), by message id.
+    Bids,
     /// Jobs this node published (JSON), by job id.
     Jobs,
     /// Challenge passes for this node (signed bytes), by verifier.
@@ -42,6 +44,7 @@ pub enum Records {
 impl Records {
     fn table(self) -> Table {
         match self {
+            Records::Bids => BIDS,
             Records::Jobs => JOBS,
             Records::Passes => PASSES,
             Records::WorkerBids => WORKER_BIDS,
@@ -100,9 +103,9 @@ impl Store {
         let txn = db.begin_write()?;
         txn.open_table(ADS)?;
         txn.open_table(OFFERS)?;
-        txn.open_table(BIDS)?;
         txn.open_table(COUNTERS)?;
         for r in [
+            Records::Bids,
             Records::Jobs,
             Records::Passes,
             Records::WorkerBids,
@@ -157,24 +160,6 @@ impl Store {
             out.push((u64::from_le_bytes(t), signed.to_vec()));
         }
         Ok(out)
-    }
-
-    /// Keeps a verified bid for one of this node's offers.
-    pub fn put_bid(&self, id: &[u8], signed: &[u8]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
-        txn.open_table(BIDS)?.insert(id, signed)?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Every kept bid, as signed bytes.
-    pub fn bids(&self) -> anyhow::Result<Vec<Vec<u8>>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(BIDS)?;
-        table
-            .iter()?
-            .map(|row| Ok(row?.1.value().to_vec()))
-            .collect()
     }
 
     /// Keeps a record under `key`, replacing the previous one; durable when this returns.

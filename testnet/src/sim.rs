@@ -140,7 +140,8 @@ enum Event {
     },
     Bid(usize, Bid),
     Decline(usize, Decline),
-    ToWorker(usize, Action),
+    /// An action of job `.1` delivered to worker `.0`.
+    ToWorker(usize, usize, Action),
     Accept(usize, LeaseAccept),
     Renewed(usize, LeaseRenewal),
     /// A worker refused an award (it is busy).
@@ -351,18 +352,18 @@ impl Sim {
                     }
                     let w = self.index[&award.worker];
                     let a = a.clone();
-                    self.send(|| Event::ToWorker(w, a.clone()));
+                    self.send(|| Event::ToWorker(w, job, a.clone()));
                 }
                 Action::Renew(r) => {
                     let w = self.index[&r.worker];
                     let a = a.clone();
-                    self.send(|| Event::ToWorker(w, a.clone()));
+                    self.send(|| Event::ToWorker(w, job, a.clone()));
                 }
                 Action::Cancel { to, .. } => {
                     for addr in to.clone() {
                         let w = self.index[&addr];
                         let a = a.clone();
-                        self.send(|| Event::ToWorker(w, a.clone()));
+                        self.send(|| Event::ToWorker(w, job, a.clone()));
                     }
                 }
             }
@@ -423,16 +424,10 @@ impl Sim {
             Event::Decline(job, d) => {
                 let _ = self.jobs[job].on_decline(d, now);
             }
-            Event::ToWorker(w, action) => {
+            Event::ToWorker(w, job, action) => {
                 if self.is_down(w) {
                     return Ok(());
                 }
-                let job = self.jobs.iter().position(|j| match &action {
-                    Action::Award(a) => j.id() == a.job_id,
-                    Action::Renew(r) => j.id() == r.job_id,
-                    Action::Cancel { cancel, .. } => j.id() == cancel.job_id,
-                });
-                let Some(job) = job else { return Ok(()) };
                 // Leases that ran out end before the worker looks at anything new.
                 self.workers[w].leases.tick(now);
                 match action {

@@ -10,7 +10,7 @@ use libp2p::request_response::{Event, InboundFailure, Message};
 use tracing::{debug, info, warn};
 
 use super::{Node, now};
-use crate::store::Kind;
+use crate::store::{Kind, Records};
 
 /// A sync page stops growing past this many bytes, well under the frame cap.
 const SYNC_PAGE_BYTES: usize = SyncResponse::MAX_SIZE / 2;
@@ -137,7 +137,7 @@ impl Node {
         }
         self.bid_for_job(b.clone(), verified.id, now_ms)?;
         self.store
-            .put_bid(&verified.id.0, &bid.to_bytes())
+            .put_record(Records::Bids, &verified.id.0, &bid.to_bytes())
             .map_err(|e| format!("cannot record the bid: {e:#}"))?;
         info!(job = %b.job_id, worker = %b.worker, price = %b.price, msg = %verified.id, "bid received");
         Ok(())

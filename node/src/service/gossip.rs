@@ -10,7 +10,7 @@ use libp2p::gossipsub::{self, MessageAcceptance};
 use tracing::{debug, info, warn};
 
 use super::{Node, OfferTemplate, now};
-use crate::store::Kind;
+use crate::store::{Kind, Records};
 use crate::swarm::{self, Topic};
 
 impl Node {
@@ -225,7 +225,7 @@ impl Node {
     }
 
     pub(super) fn received_bids(&self) -> Vec<api::ReceivedBid> {
-        let bids = match self.store.bids() {
+        let bids = match self.store.records(Records::Bids) {
             Ok(b) => b,
             Err(e) => {
                 warn!(error = %format!("{e:#}"), "cannot read bids");
@@ -233,7 +233,7 @@ impl Node {
             }
         };
         bids.iter()
-            .filter_map(|b| Signed::<cannabis_protocol::Bid>::from_bytes(b).ok())
+            .filter_map(|(_, b)| Signed::<cannabis_protocol::Bid>::from_bytes(b).ok())
             .filter_map(|s| s.verify().ok())
             .map(|v| api::ReceivedBid {
                 job_id: v.body.job_id.to_string(),
