@@ -18,6 +18,8 @@ use cannabis_market::api::{self, ApiError};
 use serde::Deserialize;
 
 use crate::keystore;
+
+pub mod exec;
 use crate::service::{NodeHandle, OfferTemplate};
 
 /// The token file's name in the data directory.
@@ -124,6 +126,7 @@ pub fn serve(
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/leases", get(leases))
+        .merge(exec::routes())
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state);
     tokio::spawn(async move {

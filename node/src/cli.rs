@@ -64,6 +64,77 @@ pub(crate) enum Command {
     Job(JobCommand),
     /// Walk one job through the whole protocol in-process and show every step.
     Demo(DemoArgs),
+    /// Run work locally through the executor and sandbox the node uses.
+    #[command(subcommand)]
+    Exec(ExecCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ExecCommand {
+    /// Run one task of a job file here, in the sandbox, and show what happened: for
+    /// contributors to test their setup and for requesters to try a job before publishing.
+    Run(ExecRunArgs),
+    /// Measure the sandbox's start-up against a plain spawn and bubblewrap, and the
+    /// synthetic task against a plain f32 matrix product.
+    Bench {
+        /// Spawns per variant.
+        #[arg(long, default_value_t = 200)]
+        runs: u32,
+        /// Matrix dimension of the synthetic comparison.
+        #[arg(long, default_value_t = 1024)]
+        size: u32,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// The synthetic task itself (what the sandbox runs): writes its result as JSON.
+    #[command(hide = true)]
+    Synthetic {
+        /// Seed, 64 hex digits.
+        #[arg(long)]
+        seed: String,
+        /// Matrix dimension.
+        #[arg(long)]
+        size: u32,
+        /// Where to write the result.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ExecRunArgs {
+    /// The job file (the same file `cannabis job submit` takes).
+    pub(crate) file: PathBuf,
+    /// Which task to run (by name); needed when the file has several.
+    #[arg(long)]
+    pub(crate) task: Option<String>,
+    /// Seed of a synthetic task, 64 hex digits; random by default.
+    #[arg(long)]
+    pub(crate) seed: Option<String>,
+    /// A local file for an input pinned by digest only (repeatable).
+    #[arg(long = "input", value_name = "NAME=PATH")]
+    pub(crate) inputs: Vec<String>,
+    /// Where to copy the outputs, stdout and stderr.
+    #[arg(long, value_name = "DIR", default_value = "cannabis-out")]
+    pub(crate) out: PathBuf,
+    /// Run on the running node's executor (its ceilings, limits and journal) instead of a
+    /// private one.
+    #[arg(long)]
+    pub(crate) on_node: bool,
+    /// Request id (the same id never runs twice); a fresh one by default.
+    #[arg(long)]
+    pub(crate) request_id: Option<String>,
+    /// Configuration file whose [executor] section limits the run.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// The administrator's ceilings file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) ceilings: Option<PathBuf>,
+    /// Return as soon as the attempt is admitted (with --on-node).
+    #[arg(long)]
+    pub(crate) detach: bool,
+    #[command(flatten)]
+    pub(crate) format: Format,
 }
 
 #[derive(Debug, Subcommand)]
@@ -82,6 +153,50 @@ pub(crate) enum NodeCommand {
     },
     /// Set a peer the capability challenge, sized to the cores its ad claims, and check it.
     Challenge(ChallengeArgs),
+    /// The local executor's attempts with their states (one attempt in full with its id).
+    Jobs {
+        /// An attempt id.
+        id: Option<String>,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Take no new work until `resume`; running work goes on.
+    Pause,
+    /// Let current work finish and take nothing new.
+    Drain,
+    /// Record a stop for all current work, then kill it; take nothing new until `resume`.
+    Stop,
+    /// Take work again after pause, drain or stop.
+    Resume,
+    /// Stop one attempt (recorded first; a finished attempt keeps its outcome).
+    Cancel {
+        /// The attempt id.
+        id: String,
+    },
+    /// Retry a failed, cancelled or unknown attempt: an explicit decision, never automatic.
+    Retry {
+        /// The attempt id.
+        id: String,
+    },
+    /// Release a quarantined attempt or a leftover after checking that its processes are
+    /// gone and its storage is removed (administrator).
+    Clear {
+        /// The attempt id or leftover name.
+        id: String,
+    },
+    /// Read an attempt's stdout, stderr or a declared output, in bounded chunks.
+    Output {
+        /// The attempt id.
+        id: String,
+        /// `stdout`, `stderr` or a declared output name.
+        name: String,
+        /// Start at this byte.
+        #[arg(long, default_value_t = 0)]
+        offset: u64,
+        /// Write to this file instead of stdout (resumes at its current length).
+        #[arg(long, value_name = "FILE")]
+        to: Option<PathBuf>,
+    },
     /// Measure request-response round trips from the running node to a peer.
     Ping {
         /// The peer's id (see `cannabis node peers`).
@@ -126,6 +241,9 @@ pub(crate) struct RunArgs {
     /// other's scores.
     #[arg(long)]
     pub(crate) testnet: bool,
+    /// The administrator's ceilings file (read only, never written).
+    #[arg(long, value_name = "FILE", default_value = cannabis_runtime::exec::DEFAULT_CEILINGS)]
+    pub(crate) ceilings: PathBuf,
 }
 
 fn duration_ms(text: &str) -> Result<u64, String> {

@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use crate::cli::{Cli, Command};
 
 mod demo;
+mod exec;
 mod job;
 mod keys;
 mod market;
@@ -30,6 +31,7 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Keys(c) => keys::run(c, &data_dir()?),
         Command::Job(c) => job::run(c, data_dir),
         Command::Demo(args) => demo::run(&args),
+        Command::Exec(c) => exec::run(c, data_dir),
     }
 }
 

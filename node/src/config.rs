@@ -40,6 +40,13 @@ pub struct NodeConfig {
     pub worker: cannabis_market::quote::WorkerPolicy,
     /// Lease timing for the jobs this node publishes.
     pub leases: cannabis_market::job::LeaseConfig,
+    /// The owner's limits for the local executor; each must stay within the
+    /// administrator's ceilings (unset fields take the ceiling).
+    pub executor: cannabis_runtime::exec::LimitsFile,
+    /// The administrator's ceilings file (set by `node run --ceilings`, never by this
+    /// file: the owner's settings cannot move their own ceiling).
+    #[serde(skip)]
+    pub ceilings: Option<std::path::PathBuf>,
     /// The file this configuration came from, if any.
     #[serde(skip)]
     pub source: Option<std::path::PathBuf>,
@@ -155,6 +162,8 @@ impl Default for NodeConfig {
             owner: Owner::default(),
             worker: cannabis_market::quote::WorkerPolicy::default(),
             leases: cannabis_market::job::LeaseConfig::default(),
+            executor: cannabis_runtime::exec::LimitsFile::default(),
+            ceilings: None,
             source: None,
         }
     }

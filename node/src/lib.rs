@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod exec;
 pub mod keystore;
 pub mod logging;
 pub mod service;

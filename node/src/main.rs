@@ -10,6 +10,11 @@ mod cmd;
 mod output;
 
 fn main() -> ExitCode {
+    // The sandbox's own stages re-execute this binary; they must run before anything
+    // starts a thread.
+    if let Some(code) = cannabis_runtime::sandbox::stage_main() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = cli::Cli::parse();
     match cmd::run(cli) {
         Ok(()) => ExitCode::SUCCESS,

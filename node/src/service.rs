@@ -113,7 +113,9 @@ pub(crate) type Software = (
 pub(crate) struct Node {
     swarm: Swarm<Behaviour>,
     view: View,
-    store: Store,
+    store: std::sync::Arc<Store>,
+    /// The local executor, or why there is none.
+    executor: handle::ExecutorSlot,
     keys: NodeKeys,
     config: NodeConfig,
     address: Address,
@@ -158,7 +160,8 @@ pub async fn start(
     api_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<(NodeHandle, tokio::task::JoinHandle<()>)> {
     config.check()?;
-    let store = Store::open(&data_dir.join("node.redb"))?;
+    let store = std::sync::Arc::new(Store::open(&data_dir.join("node.redb"))?);
+    let executor = open_executor(&config, data_dir, &store).await;
     let libp2p_key = libp2p::identity::Keypair::ed25519_from_bytes(*keys.signing.secret())
         .context("turning the node key into a libp2p identity")?;
     let mut swarm = swarm::build(libp2p_key, &config)?;
@@ -180,6 +183,7 @@ pub async fn start(
         swarm,
         view: View::new(ViewConfig::default()),
         store,
+        executor: executor.clone(),
         keys,
         config,
         address,
@@ -211,7 +215,41 @@ pub async fn start(
         let _ = probe_tx.blocking_send(Command::Software(software));
     });
     let task = tokio::spawn(node.run(rx, internal_rx));
-    Ok((NodeHandle::new(tx, peer_id, address), task))
+    Ok((NodeHandle::new(tx, peer_id, address, executor), task))
+}
+
+/// Opens the local executor off the async threads (it starts a self-test sandbox). A node
+/// whose machine cannot run sandboxes still runs: it says why and takes no work.
+async fn open_executor(
+    config: &NodeConfig,
+    data_dir: &Path,
+    store: &std::sync::Arc<Store>,
+) -> handle::ExecutorSlot {
+    let dir = data_dir.join("exec");
+    let ceilings = crate::exec::ceilings_path(config.ceilings.as_deref());
+    let owner = config.executor.clone();
+    let data_dir = data_dir.to_path_buf();
+    let journal: std::sync::Arc<dyn cannabis_runtime::exec::Journal> = store.clone();
+    let opened = tokio::task::spawn_blocking(move || {
+        let gpus = cannabis_runtime::probe::gpus(&cannabis_runtime::gpu::Nvml, &[], None)
+            .1
+            .into_iter()
+            .map(|g| g.uuid)
+            .collect();
+        let machine = crate::exec::machine_limits(&data_dir, gpus);
+        crate::exec::open(&dir, &machine, &ceilings, &owner, journal)
+    })
+    .await
+    .unwrap_or_else(|e| Err(format!("the executor did not open: {e}")));
+    match &opened {
+        Ok(ex) => info!(
+            layers = ?ex.layers().iter().map(|l| cannabis_runtime::exec::layer_name(*l)).collect::<Vec<_>>(),
+            cgroups = %ex.cgroups(),
+            "local executor ready"
+        ),
+        Err(e) => warn!(reason = %e, "no local executor: this node takes no work"),
+    }
+    std::sync::Arc::new(opened)
 }
 
 impl Node {

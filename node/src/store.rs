@@ -8,7 +8,7 @@
 //! is still valid; everything is re-verified when loaded), bids received for this node's
 //! offers, challenge passes other nodes signed for this one (keyed by verifier), the jobs
 //! this node published with their leases and epochs (JSON, keyed by job id), the bids and
-//! leases it holds as a worker, and the node's sequence counters (so a restart never reuses a sequence number).
+//! leases it holds as a worker, the executor's attempt journal, and the node's sequence counters (so a restart never reuses a sequence number).
 
 use std::path::Path;
 
@@ -23,6 +23,7 @@ const PASSES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("challeng
 const JOBS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("jobs");
 const WORKER_BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("worker_bids");
 const WORKER_LEASES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("worker_leases");
+const EXEC: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("exec_journal");
 
 type Table = TableDefinition<'static, &'static [u8], &'static [u8]>;
 
@@ -39,6 +40,8 @@ pub enum Records {
     WorkerBids,
     /// Leases this node holds as a worker (JSON), by assignment.
     WorkerLeases,
+    /// The executor's attempt journal and owner switch (JSON), by record key.
+    Exec,
 }
 
 impl Records {
@@ -49,6 +52,7 @@ impl Records {
             Records::Passes => PASSES,
             Records::WorkerBids => WORKER_BIDS,
             Records::WorkerLeases => WORKER_LEASES,
+            Records::Exec => EXEC,
         }
     }
 }
@@ -110,6 +114,7 @@ impl Store {
             Records::Passes,
             Records::WorkerBids,
             Records::WorkerLeases,
+            Records::Exec,
         ] {
             txn.open_table(r.table())?;
         }
@@ -204,6 +209,22 @@ impl Store {
         };
         txn.commit()?;
         Ok(next)
+    }
+}
+
+/// The executor's journal: every record is committed (durably) before `put` returns.
+impl cannabis_runtime::exec::Journal for Store {
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        self.put_record(Records::Exec, key.as_bytes(), value)
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    fn all(&self) -> Result<Vec<(String, Vec<u8>)>, String> {
+        let rows = self.records(Records::Exec).map_err(|e| format!("{e:#}"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v))
+            .collect())
     }
 }
 

@@ -8,5 +8,7 @@
 
 pub mod cdi;
 pub mod challenge;
+pub mod exec;
 pub mod gpu;
 pub mod probe;
+pub mod sandbox;

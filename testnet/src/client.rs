@@ -73,7 +73,8 @@ impl ApiClient {
         Ok(Self::new(&api, token.trim()))
     }
 
-    fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+    /// `GET path`, decoded from JSON.
+    pub fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
         let response = self
             .agent
             .get(format!("{}{path}", self.base))
@@ -83,7 +84,8 @@ impl ApiClient {
         Self::read(response, path)
     }
 
-    fn post<B: serde::Serialize, T: DeserializeOwned>(
+    /// `POST path` with a JSON body, decoded from JSON.
+    pub fn post<B: serde::Serialize, T: DeserializeOwned>(
         &self,
         path: &str,
         body: &B,

@@ -82,7 +82,7 @@ pub(super) fn run(
 }
 
 /// SHA-256 and size of a local file, streamed.
-fn hash_file(path: &Path) -> anyhow::Result<(Digest, u64)> {
+pub(super) fn hash_file(path: &Path) -> anyhow::Result<(Digest, u64)> {
     let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut hasher = Sha256::new();
     let size = std::io::copy(&mut f, &mut hasher)

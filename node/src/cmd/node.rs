@@ -91,6 +91,28 @@ pub(super) fn run(
             anyhow::ensure!(r.passed, "the peer failed the challenge");
             Ok(())
         }
+        NodeCommand::Jobs { id, format } => super::exec::jobs(data_dir, id.as_deref(), format.json),
+        NodeCommand::Pause => {
+            super::exec::control(data_dir, cannabis_runtime::exec::Control::Paused)
+        }
+        NodeCommand::Drain => {
+            super::exec::control(data_dir, cannabis_runtime::exec::Control::Draining)
+        }
+        NodeCommand::Stop => {
+            super::exec::control(data_dir, cannabis_runtime::exec::Control::Stopped)
+        }
+        NodeCommand::Resume => {
+            super::exec::control(data_dir, cannabis_runtime::exec::Control::Active)
+        }
+        NodeCommand::Cancel { id } => super::exec::cancel(data_dir, &id),
+        NodeCommand::Retry { id } => super::exec::retry(data_dir, &id),
+        NodeCommand::Clear { id } => super::exec::clear(data_dir, &id),
+        NodeCommand::Output {
+            id,
+            name,
+            offset,
+            to,
+        } => super::exec::output(data_dir, &id, &name, offset, to.as_deref()),
         NodeCommand::Ping {
             peer,
             count,
@@ -138,6 +160,7 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
     if args.testnet {
         config.gossip.ip_colocation_threshold = 10_000.0;
     }
+    config.ceilings = Some(args.ceilings.clone());
     config.check()?;
 
     std::fs::create_dir_all(data_dir)

@@ -133,7 +133,10 @@ impl Node {
             runtimes,
             adapters: vec![AdapterKind::Synthetic],
             collectives,
-            isolation: Vec::new(),
+            isolation: match self.executor.as_ref() {
+                Ok(ex) => ex.layers().to_vec(),
+                Err(_) => Vec::new(),
+            },
             network: owner.network,
             prices: owner.prices,
             attestation: None,

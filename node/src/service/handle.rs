@@ -10,21 +10,37 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::Command;
 
+/// The node's local executor, or why it has none.
+pub(crate) type ExecutorSlot = std::sync::Arc<Result<cannabis_runtime::exec::Executor, String>>;
+
 /// A cheap-to-clone handle on a running node.
 #[derive(Clone)]
 pub struct NodeHandle {
     tx: mpsc::Sender<Command>,
     peer_id: PeerId,
     address: Address,
+    executor: ExecutorSlot,
 }
 
 impl NodeHandle {
-    pub(super) fn new(tx: mpsc::Sender<Command>, peer_id: PeerId, address: Address) -> Self {
+    pub(super) fn new(
+        tx: mpsc::Sender<Command>,
+        peer_id: PeerId,
+        address: Address,
+        executor: ExecutorSlot,
+    ) -> Self {
         Self {
             tx,
             peer_id,
             address,
+            executor,
         }
+    }
+
+    /// The local executor, or why this node has none. Only the local API reaches it:
+    /// nothing on the network side can change its settings.
+    pub fn executor(&self) -> Result<&cannabis_runtime::exec::Executor, &str> {
+        self.executor.as_ref().as_ref().map_err(String::as_str)
     }
 
     /// The node's peer id.

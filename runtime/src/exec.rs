@@ -1,0 +1,1020 @@
+//! The executor: admission against the owner's limits (within the administrator's
+//! ceilings), durable reservations, the attempt lifecycle (reserved, preparing, running,
+//! then completed / failed / cancelled / unknown, then released or quarantined), owner
+//! controls, and recovery after a restart. Every state change is written to the journal
+//! before the effect it allows.
+//!
+//! Each active attempt has a driver thread. A restart of the executor is a lost
+//! connection, not a lost job: a running sandbox keeps going under its lease file, and the
+//! next executor finds it again through the journal, its cgroups and `exit.json`.
+
+mod adapter;
+mod attempt;
+mod limits;
+mod output;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cannabis_protocol::{AdapterKind, Digest, IsolationLayer, TaskInput};
+use serde::{Deserialize, Serialize};
+
+pub use adapter::run_synthetic;
+pub use attempt::{
+    Attempt, AttemptRequest, AttemptState, Cleanup, Renewal, Reservation, SyntheticResult,
+    WrongState,
+};
+pub use limits::{Ceilings, DEFAULT_CEILINGS, DEFAULT_SANDBOX_UID, Limits, LimitsFile};
+pub use output::{Chunk, MAX_CHUNK, OutputError};
+
+use crate::sandbox::{self, CgroupLimits, Cgroups, ExitRecord, SandboxSpec, files, now_ms};
+
+/// Durable storage for the executor's records: the node's store. `put` must be durable
+/// when it returns.
+pub trait Journal: Send + Sync {
+    /// Writes `value` under `key`.
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), String>;
+    /// Every record.
+    fn all(&self) -> Result<Vec<(String, Vec<u8>)>, String>;
+}
+
+/// The owner's contribution switch.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Control {
+    /// Taking and running work.
+    Active,
+    /// No new starts: admissions are refused and reserved work waits; running work goes on.
+    Paused,
+    /// Current work finishes; nothing new is taken.
+    Draining,
+    /// Current work was stopped (each stop recorded first); nothing new is taken.
+    Stopped,
+}
+
+impl Control {
+    /// The name people see.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::Paused => "paused",
+            Self::Draining => "draining",
+            Self::Stopped => "stopped",
+        }
+    }
+}
+
+/// A leftover found at start-up with no journal record (an older executor's, or one whose
+/// record was lost). Its outcome is unknown; it stays quarantined until the administrator
+/// clears it after the idle and storage checks.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Orphan {
+    /// The attempt id its cgroup or directory carries.
+    pub name: String,
+    /// What was found.
+    pub found: Vec<String>,
+    /// When, milliseconds since the Unix epoch.
+    pub found_at_ms: u64,
+}
+
+/// Executor settings.
+#[derive(Clone, Debug)]
+pub struct ExecutorConfig {
+    /// Its directory (attempt directories live below); every ancestor must be
+    /// traversable by the sandbox uids.
+    pub dir: PathBuf,
+    /// This binary (the sandbox stages re-execute it).
+    pub program: PathBuf,
+    /// The administrator's ceilings.
+    pub ceilings: Ceilings,
+    /// The owner's limits, within the ceilings.
+    pub owner: Limits,
+    /// Lease length the executor keeps for local runs, in milliseconds.
+    pub local_lease_ms: u64,
+    /// Cap on each of standard output and standard error, in bytes.
+    pub log_cap: u64,
+}
+
+impl ExecutorConfig {
+    /// Defaults for everything but the paths and limits.
+    pub fn new(dir: PathBuf, program: PathBuf, ceilings: Ceilings, owner: Limits) -> Self {
+        Self {
+            dir,
+            program,
+            ceilings,
+            owner,
+            local_lease_ms: 15_000,
+            log_cap: 16 << 20,
+        }
+    }
+}
+
+/// What went wrong talking to the executor.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The executor cannot run work on this machine.
+    #[error("the executor is unavailable: {0}")]
+    Unavailable(String),
+    /// The journal could not be written or read; nothing was done.
+    #[error("the attempt journal: {0}")]
+    Journal(String),
+    /// No such attempt.
+    #[error("no attempt {0}")]
+    NotFound(String),
+    /// An illegal move.
+    #[error(transparent)]
+    WrongState(#[from] WrongState),
+    /// A request that cannot be honoured.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// The executor; cheap to clone.
+#[derive(Clone)]
+pub struct Executor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: ExecutorConfig,
+    journal: Arc<dyn Journal>,
+    cgroups: Cgroups,
+    cgroup_layers: Vec<IsolationLayer>,
+    layers: Vec<IsolationLayer>,
+    as_root: bool,
+    state: Mutex<State>,
+    shutdown: AtomicBool,
+    pause_at: Option<String>,
+}
+
+struct State {
+    attempts: BTreeMap<String, Attempt>,
+    orphans: BTreeMap<String, Orphan>,
+    control: Control,
+}
+
+const CONTROL_KEY: &str = "control";
+const ATTEMPT_PREFIX: &str = "attempt/";
+const ORPHAN_PREFIX: &str = "orphan/";
+
+impl Executor {
+    /// Opens the executor: checks that sandboxes can start here and which isolation layers
+    /// actually apply (by starting one and looking at it), loads the journal, and resumes
+    /// every attempt it holds (running ones are found again, or marked unknown).
+    pub fn open(cfg: ExecutorConfig, journal: Arc<dyn Journal>) -> Result<Self, ExecError> {
+        let as_root = nix::unistd::geteuid().is_root();
+        fs::create_dir_all(cfg.dir.join("attempts"))
+            .map_err(|e| ExecError::Unavailable(format!("{}: {e}", cfg.dir.display())))?;
+        if as_root {
+            for dir in [cfg.dir.clone(), cfg.dir.join("attempts")] {
+                fs::set_permissions(&dir, fs::Permissions::from_mode(0o711))
+                    .map_err(|e| ExecError::Unavailable(format!("{}: {e}", dir.display())))?;
+            }
+            reachable(&cfg.dir, &cfg.program)?;
+        }
+        let name = hex_prefix(&Digest::of(cfg.dir.to_string_lossy().as_bytes()), 12);
+        let cgroups = Cgroups::detect(&name);
+        let mut cgroup_layers = Vec::new();
+        if cgroups.memory() {
+            cgroup_layers.push(IsolationLayer::CgroupMemory);
+        }
+        if cgroups.pids() {
+            cgroup_layers.push(IsolationLayer::CgroupPids);
+        }
+        if cgroups.cpu() {
+            cgroup_layers.push(IsolationLayer::CgroupCpu);
+        }
+        let pause_at = if cfg!(debug_assertions) {
+            std::env::var("CANNABIS_EXEC_PAUSE_AT").ok()
+        } else {
+            None
+        };
+        let mut inner = Inner {
+            cfg,
+            journal,
+            cgroups,
+            cgroup_layers,
+            layers: Vec::new(),
+            as_root,
+            state: Mutex::new(State {
+                attempts: BTreeMap::new(),
+                orphans: BTreeMap::new(),
+                control: Control::Active,
+            }),
+            shutdown: AtomicBool::new(false),
+            pause_at,
+        };
+        inner.layers = inner.probe_layers()?;
+        let inner = Arc::new(inner);
+        inner.load()?;
+        let active: Vec<String> = inner
+            .lock()
+            .attempts
+            .values()
+            .filter(|a| a.cleanup == Cleanup::Pending)
+            .map(|a| a.id.clone())
+            .collect();
+        for id in active {
+            Inner::spawn_driver(&inner, id);
+        }
+        Ok(Self { inner })
+    }
+
+    /// The isolation layers this machine's sandbox was seen to enforce at start-up.
+    pub fn layers(&self) -> &[IsolationLayer] {
+        &self.inner.layers
+    }
+
+    /// A description of the cgroups in use.
+    pub fn cgroups(&self) -> String {
+        self.inner.cgroups.describe()
+    }
+
+    /// The owner's limits in force and the ceilings they sit under.
+    pub fn limits(&self) -> (&Limits, &Ceilings) {
+        (&self.inner.cfg.owner, &self.inner.cfg.ceilings)
+    }
+
+    /// Capacity held now, summed over every attempt that holds some.
+    pub fn reserved(&self) -> Reservation {
+        sum_reserved(&self.inner.lock())
+    }
+
+    /// Admits a request or refuses it, durably either way, and returns its attempt. The
+    /// same request id always returns the same attempt: a refused request stays refused
+    /// and an admitted one never runs twice.
+    pub fn submit(&self, request: AttemptRequest) -> Result<Attempt, ExecError> {
+        let inner = &self.inner;
+        let mut st = inner.lock();
+        if let Some(a) = st
+            .attempts
+            .values()
+            .find(|a| a.request.request_id == request.request_id)
+        {
+            return Ok(a.clone());
+        }
+        let now = now_ms();
+        let id = format!(
+            "a{}",
+            hex_prefix(
+                &Digest::of_parts(&[
+                    request.request_id.as_bytes(),
+                    &now.to_le_bytes(),
+                    &(st.attempts.len() as u64).to_le_bytes(),
+                ]),
+                10
+            )
+        );
+        let admitted = inner.admit(&st, &request);
+        let lease_until_ms = request.lease_until_ms;
+        let mut attempt = Attempt {
+            id: id.clone(),
+            request,
+            state: AttemptState::Reserved,
+            refused: false,
+            reason: None,
+            reservation: None,
+            cleanup: Cleanup::Pending,
+            cancel: None,
+            layers: Vec::new(),
+            exit: None,
+            result: None,
+            retry_of: None,
+            lease_until_ms,
+            history: Vec::new(),
+        };
+        match admitted {
+            Ok(reservation) => {
+                attempt.reservation = Some(reservation);
+                attempt
+                    .history
+                    .push((now, "reserved: capacity held for this attempt".into()));
+            }
+            Err(why) => {
+                attempt.state = AttemptState::Failed;
+                attempt.refused = true;
+                attempt.cleanup = Cleanup::Released;
+                attempt.history.push((now, format!("refused: {why}")));
+                attempt.reason = Some(why);
+            }
+        }
+        inner.put_attempt(&attempt)?;
+        st.attempts.insert(id.clone(), attempt.clone());
+        drop(st);
+        if !attempt.refused {
+            Inner::spawn_driver(inner, id);
+        }
+        Ok(attempt)
+    }
+
+    /// A new attempt for the same task under a new request id, by an explicit decision;
+    /// only for an attempt that ended failed, cancelled or unknown (never a refusal).
+    pub fn retry(&self, id: &str, request_id: String) -> Result<Attempt, ExecError> {
+        let old = self.get(id)?;
+        if !matches!(
+            old.state,
+            AttemptState::Failed | AttemptState::Cancelled | AttemptState::Unknown
+        ) || old.refused
+        {
+            return Err(ExecError::Refused(format!(
+                "attempt {id} is {}; only a failed, cancelled or unknown attempt can be retried",
+                old.status_line()
+            )));
+        }
+        let mut request = old.request.clone();
+        request.request_id = request_id;
+        let now = now_ms();
+        if request.renewal == Renewal::Local {
+            request.lease_until_ms = now + self.inner.cfg.local_lease_ms;
+        }
+        let attempt = self.submit(request)?;
+        if attempt.retry_of.is_none() && !attempt.refused {
+            self.inner.update(&attempt.id, |a| {
+                a.retry_of = Some(id.to_string());
+                a.history.push((now, format!("retry of {id}")));
+                Ok(())
+            })?;
+        }
+        self.get(&attempt.id)
+    }
+
+    /// Records a stop, then acts: the whole process tree is killed at once. An attempt
+    /// whose outcome is settled keeps it.
+    pub fn stop(&self, id: &str, why: &str) -> Result<Attempt, ExecError> {
+        let now = now_ms();
+        let recorded = self.inner.update(id, |a| Ok(a.record_cancel(now, why)))?;
+        if recorded {
+            self.inner.cgroups.open(id).kill();
+        }
+        self.get(id)
+    }
+
+    /// Moves an attempt's lease end (market renewals).
+    pub fn renew(&self, id: &str, until_ms: u64) -> Result<(), ExecError> {
+        self.inner.renew(id, until_ms)
+    }
+
+    /// Sets the owner's switch; `Stopped` records a stop for every active attempt first.
+    pub fn set_control(&self, control: Control) -> Result<(), ExecError> {
+        let inner = &self.inner;
+        {
+            let mut st = inner.lock();
+            let bytes =
+                serde_json::to_vec(&control).map_err(|e| ExecError::Journal(e.to_string()))?;
+            inner
+                .journal
+                .put(CONTROL_KEY, &bytes)
+                .map_err(ExecError::Journal)?;
+            st.control = control;
+        }
+        if control == Control::Stopped {
+            let active: Vec<String> = inner
+                .lock()
+                .attempts
+                .values()
+                .filter(|a| !a.state.is_final())
+                .map(|a| a.id.clone())
+                .collect();
+            for id in active {
+                self.stop(&id, "stopped by the owner")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The owner's switch.
+    pub fn control(&self) -> Control {
+        self.inner.lock().control
+    }
+
+    /// One attempt.
+    pub fn get(&self, id: &str) -> Result<Attempt, ExecError> {
+        self.inner
+            .lock()
+            .attempts
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ExecError::NotFound(id.to_string()))
+    }
+
+    /// Every attempt, oldest first.
+    pub fn attempts(&self) -> Vec<Attempt> {
+        let mut all: Vec<Attempt> = self.inner.lock().attempts.values().cloned().collect();
+        all.sort_by_key(|a| a.history.first().map(|h| h.0));
+        all
+    }
+
+    /// Leftovers found with no journal record.
+    pub fn orphans(&self) -> Vec<Orphan> {
+        self.inner.lock().orphans.values().cloned().collect()
+    }
+
+    /// The administrator's release of a quarantined attempt or a leftover, after checking
+    /// independently that its process tree is empty and its storage is gone (removing
+    /// what is left). Its outcome stays as it was.
+    pub fn clear(&self, id: &str) -> Result<(), ExecError> {
+        let inner = &self.inner;
+        let orphan = inner.lock().orphans.contains_key(id);
+        let quarantined = inner
+            .lock()
+            .attempts
+            .get(id)
+            .is_some_and(|a| matches!(a.cleanup, Cleanup::Quarantined { .. }));
+        if !orphan && !quarantined {
+            return Err(ExecError::Refused(format!(
+                "{id} is neither quarantined nor a leftover"
+            )));
+        }
+        inner.idle_and_clean(id).map_err(ExecError::Refused)?;
+        if orphan {
+            inner.journal_remove_orphan(id)?;
+            inner.lock().orphans.remove(id);
+        } else {
+            let now = now_ms();
+            inner.update(id, |a| {
+                a.history.push((
+                    now,
+                    "cleared by the administrator after idle and storage checks".into(),
+                ));
+                a.release(now)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Reads output `name` (stdout, stderr or a declared output) from `offset`.
+    pub fn read_output(
+        &self,
+        id: &str,
+        name: &str,
+        offset: u64,
+        max: u64,
+    ) -> Result<Chunk, ExecError> {
+        let attempt = self.get(id)?;
+        let declared: Vec<String> = adapter::adapter(attempt.request.task.workload.adapter)
+            .and_then(|a| a.command(&attempt.request).ok())
+            .map(|c| c.outputs.into_iter().map(|(n, _)| n).collect())
+            .unwrap_or_default();
+        output::read(
+            &self.inner.attempt_dir(id),
+            &attempt,
+            &declared,
+            name,
+            offset,
+            max,
+        )
+        .map_err(|e| ExecError::Refused(e.to_string()))
+    }
+
+    /// Blocks until the attempt is final and its cleanup has ended (or `timeout`).
+    pub fn wait(&self, id: &str, timeout: Duration) -> Result<Attempt, ExecError> {
+        let until = Instant::now() + timeout;
+        loop {
+            let a = self.get(id)?;
+            if a.state.is_final() && a.cleanup != Cleanup::Pending {
+                return Ok(a);
+            }
+            if Instant::now() >= until {
+                return Ok(a);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Stops the drivers without touching running sandboxes (their lease files run out
+    /// unless a next executor renews them).
+    pub fn shutdown(&self) {
+        self.inner.shutdown.store(true, Ordering::SeqCst);
+    }
+}
+
+fn sum_reserved(st: &State) -> Reservation {
+    let mut sum = Reservation::default();
+    for r in st
+        .attempts
+        .values()
+        .filter(|a| a.holds_capacity())
+        .filter_map(|a| a.reservation.as_ref())
+    {
+        sum.cpu_millicores += r.cpu_millicores;
+        sum.memory_bytes += r.memory_bytes;
+        sum.swap_bytes += r.swap_bytes;
+        sum.processes += r.processes;
+        sum.storage_bytes += r.storage_bytes;
+        sum.gpus.extend(r.gpus.iter().cloned());
+    }
+    sum
+}
+
+fn hex_prefix(d: &Digest, n: usize) -> String {
+    d.to_string().chars().take(n).collect()
+}
+
+/// Every ancestor of `dir` and of `program` must let other users through, or the sandbox
+/// uid cannot reach its attempt directory or start this binary.
+fn reachable(dir: &Path, program: &Path) -> Result<(), ExecError> {
+    let blocked = |p: &Path| -> Option<String> {
+        p.ancestors().skip(1).find_map(|a| {
+            let mode = fs::metadata(a).ok()?.permissions().mode();
+            (mode & 0o001 == 0).then(|| format!("{} (mode {:o})", a.display(), mode & 0o777))
+        })
+    };
+    if let Some(b) = blocked(&dir.join("x")) {
+        return Err(ExecError::Unavailable(format!(
+            "sandbox users cannot pass through {b} to reach {}; put the data directory where other users may traverse (chmod o+x) or choose another --data-dir",
+            dir.display()
+        )));
+    }
+    if let Some(b) = blocked(program) {
+        return Err(ExecError::Unavailable(format!(
+            "sandbox users cannot pass through {b} to run {}",
+            program.display()
+        )));
+    }
+    let mode = fs::metadata(program)
+        .map_err(|e| ExecError::Unavailable(format!("{}: {e}", program.display())))?
+        .permissions()
+        .mode();
+    if mode & 0o001 == 0 {
+        return Err(ExecError::Unavailable(format!(
+            "{} is not executable by other users",
+            program.display()
+        )));
+    }
+    Ok(())
+}
+
+mod driver;
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn attempt_dir(&self, id: &str) -> PathBuf {
+        self.cfg.dir.join("attempts").join(id)
+    }
+
+    fn put_attempt(&self, a: &Attempt) -> Result<(), ExecError> {
+        let bytes = serde_json::to_vec(a).map_err(|e| ExecError::Journal(e.to_string()))?;
+        self.journal
+            .put(&format!("{ATTEMPT_PREFIX}{}", a.id), &bytes)
+            .map_err(ExecError::Journal)
+    }
+
+    fn journal_remove_orphan(&self, name: &str) -> Result<(), ExecError> {
+        // An empty value marks a cleared leftover.
+        self.journal
+            .put(&format!("{ORPHAN_PREFIX}{name}"), b"")
+            .map_err(ExecError::Journal)
+    }
+
+    /// Applies `f` to a copy of the attempt, journals the copy, then makes it current.
+    fn update<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Attempt) -> Result<T, WrongState>,
+    ) -> Result<T, ExecError> {
+        let mut st = self.lock();
+        let current = st
+            .attempts
+            .get(id)
+            .ok_or_else(|| ExecError::NotFound(id.to_string()))?;
+        let mut next = current.clone();
+        let out = f(&mut next)?;
+        if next != *current {
+            self.put_attempt(&next)?;
+            st.attempts.insert(id.to_string(), next);
+        }
+        Ok(out)
+    }
+
+    fn renew(&self, id: &str, until_ms: u64) -> Result<(), ExecError> {
+        self.update(id, |a| {
+            a.lease_until_ms = a.lease_until_ms.max(until_ms);
+            Ok(())
+        })?;
+        let dir = self.attempt_dir(id);
+        if dir.exists() {
+            write_lease(&dir, until_ms).map_err(|e| ExecError::Refused(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn load(&self) -> Result<(), ExecError> {
+        let records = self.journal.all().map_err(ExecError::Journal)?;
+        let mut st = self.lock();
+        for (key, value) in records {
+            if key == CONTROL_KEY {
+                st.control = serde_json::from_slice(&value)
+                    .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
+            } else if let Some(id) = key.strip_prefix(ATTEMPT_PREFIX) {
+                let a: Attempt = serde_json::from_slice(&value)
+                    .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
+                st.attempts.insert(id.to_string(), a);
+            } else if let Some(name) = key.strip_prefix(ORPHAN_PREFIX) {
+                if !value.is_empty() {
+                    let o: Orphan = serde_json::from_slice(&value)
+                        .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
+                    st.orphans.insert(name.to_string(), o);
+                }
+            }
+        }
+        // Leftovers nobody has a record of: their outcome is unknown and they stay
+        // quarantined until cleared.
+        let mut found: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for name in self.cgroups.existing() {
+            found.entry(name).or_default().push("cgroup".into());
+        }
+        if let Ok(entries) = fs::read_dir(self.cfg.dir.join("attempts")) {
+            for e in entries.flatten() {
+                if let Ok(name) = e.file_name().into_string() {
+                    found
+                        .entry(name)
+                        .or_default()
+                        .push("attempt directory".into());
+                }
+            }
+        }
+        let now = now_ms();
+        for (name, what) in found {
+            if st.attempts.contains_key(&name) || st.orphans.contains_key(&name) {
+                continue;
+            }
+            let orphan = Orphan {
+                name: name.clone(),
+                found: what,
+                found_at_ms: now,
+            };
+            let bytes =
+                serde_json::to_vec(&orphan).map_err(|e| ExecError::Journal(e.to_string()))?;
+            self.journal
+                .put(&format!("{ORPHAN_PREFIX}{name}"), &bytes)
+                .map_err(ExecError::Journal)?;
+            st.orphans.insert(name, orphan);
+        }
+        Ok(())
+    }
+
+    fn spawn_driver(inner: &Arc<Self>, id: String) {
+        let inner = Arc::clone(inner);
+        let name = format!("attempt-{id}");
+        let _ = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || driver::drive(&inner, &id));
+    }
+
+    /// Admission: the owner's switch, the adapter, the isolation the task requires, and
+    /// every resource against the owner's limits and what is free now.
+    fn admit(&self, st: &State, request: &AttemptRequest) -> Result<Reservation, String> {
+        match st.control {
+            Control::Active => {}
+            Control::Paused => {
+                return Err("paused by the owner: no new starts (cannabis node resume)".into());
+            }
+            Control::Draining => {
+                return Err("draining: current work finishes, nothing new is taken".into());
+            }
+            Control::Stopped => return Err("stopped by the owner".into()),
+        }
+        let task = &request.task;
+        let kind = task.workload.adapter;
+        let owner = &self.cfg.owner;
+        let Some(adapter) = adapter::adapter(kind) else {
+            return Err(format!(
+                "this executor has no {} adapter yet",
+                kind_name(kind)
+            ));
+        };
+        if !owner.adapters.contains(&kind) {
+            return Err(format!(
+                "the {} adapter is not allowed on this machine",
+                kind_name(kind)
+            ));
+        }
+        if kind == AdapterKind::Process && !owner.custom_code {
+            return Err("custom code is not allowed on this machine".into());
+        }
+        for layer in adapter.isolation() {
+            if !self.layers.contains(layer) {
+                return Err(format!(
+                    "the {} adapter needs {}, which this machine cannot provide",
+                    kind_name(kind),
+                    layer_name(*layer)
+                ));
+            }
+        }
+        for layer in &task.requirements.isolation {
+            if !self.layers.contains(layer) {
+                return Err(format!(
+                    "the task requires isolation {}, which this machine cannot provide",
+                    layer_name(*layer)
+                ));
+            }
+        }
+        adapter.check(request)?;
+        for o in &task.outputs {
+            plain_name(&o.name).map_err(|e| format!("output {e}"))?;
+        }
+        for input in &task.inputs {
+            let name = input_name(input);
+            plain_name(name).map_err(|e| format!("input {e}"))?;
+            if !request.inputs.iter().any(|(n, _)| n == name) {
+                return Err(format!("input {name:?} has no local file to stage"));
+            }
+        }
+        let r = &task.resources;
+        let used = sum_reserved(st);
+        let check = |what: &str, asked: u64, limit: u64, used: u64, unit: &str| {
+            if asked > limit {
+                Err(format!(
+                    "{what}: asks {asked}{unit}, this machine allows at most {limit}{unit}"
+                ))
+            } else if asked > limit.saturating_sub(used) {
+                Err(format!(
+                    "busy: {what} asks {asked}{unit}, {}{unit} free now",
+                    limit.saturating_sub(used)
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let cpu = u64::from(r.cpu_millicores).max(1);
+        check(
+            "cpu",
+            cpu,
+            owner.cpu_millicores,
+            used.cpu_millicores,
+            " millicores",
+        )?;
+        check(
+            "memory",
+            r.memory_bytes,
+            owner.memory_bytes,
+            used.memory_bytes,
+            " bytes",
+        )?;
+        check(
+            "swap",
+            r.swap_bytes,
+            owner.swap_bytes,
+            used.swap_bytes,
+            " bytes",
+        )?;
+        let processes = u64::from(r.processes);
+        check("processes", processes, owner.processes, used.processes, "")?;
+        check(
+            "storage",
+            r.storage_bytes,
+            owner.storage_bytes,
+            used.storage_bytes,
+            " bytes",
+        )?;
+        if r.memory_bytes == 0 || processes == 0 || r.storage_bytes == 0 {
+            return Err("the task must ask for some memory, processes and storage".into());
+        }
+        if r.swap_bytes > 0 && !self.cgroups.swap_limit() {
+            return Err(
+                "swap cannot be limited on this machine (no memsw or memory.swap.max); ask for swap = 0"
+                    .into(),
+            );
+        }
+        let free_gpus: Vec<String> = owner
+            .gpus
+            .iter()
+            .filter(|g| !used.gpus.contains(g))
+            .cloned()
+            .collect();
+        let want = r.gpus as usize;
+        if want > owner.gpus.len() {
+            return Err(format!(
+                "gpus: asks {want}, this machine allows at most {}",
+                owner.gpus.len()
+            ));
+        }
+        if want > free_gpus.len() {
+            return Err(format!(
+                "busy: gpus asks {want}, {} free now",
+                free_gpus.len()
+            ));
+        }
+        let uid = if self.as_root {
+            let taken: Vec<u32> = st
+                .attempts
+                .values()
+                .filter(|a| a.holds_capacity())
+                .filter_map(|a| a.reservation.as_ref().map(|r| r.uid))
+                .collect();
+            let base = self.cfg.ceilings.sandbox_uid;
+            (0..u32::MAX - base)
+                .map(|k| base + k)
+                .find(|u| !taken.contains(u))
+                .ok_or("no sandbox uid left")?
+        } else {
+            nix::unistd::geteuid().as_raw()
+        };
+        Ok(Reservation {
+            cpu_millicores: cpu,
+            memory_bytes: r.memory_bytes,
+            swap_bytes: r.swap_bytes,
+            processes,
+            storage_bytes: r.storage_bytes,
+            gpus: free_gpus.into_iter().take(want).collect(),
+            uid,
+        })
+    }
+
+    /// Starts one sandbox, looks at it, and gives up before any command runs: the layers
+    /// seen are the layers this machine advertises.
+    fn probe_layers(&self) -> Result<Vec<IsolationLayer>, ExecError> {
+        let dir = self.cfg.dir.join("probe");
+        let _ = fs::remove_dir_all(&dir);
+        let uid = if self.as_root {
+            self.cfg.ceilings.sandbox_uid
+        } else {
+            nix::unistd::geteuid().as_raw()
+        };
+        let unavailable = |e: String| ExecError::Unavailable(format!("sandbox self-test: {e}"));
+        driver::make_attempt_dir(&dir, self.as_root.then_some(uid)).map_err(unavailable)?;
+        let name = "probe";
+        let limits = CgroupLimits {
+            memory_bytes: 64 << 20,
+            swap_bytes: 0,
+            processes: 16,
+            cpu_millicores: 1000,
+        };
+        let cgroup = self
+            .cgroups
+            .create(name, &limits)
+            .map_err(|e| unavailable(e.to_string()))?;
+        let spec = SandboxSpec {
+            attempt_dir: dir.clone(),
+            uid,
+            gid: uid,
+            work_bytes: 1 << 20,
+            argv: vec!["/bin/true".into()],
+            env: Vec::new(),
+            cwd: "/".into(),
+            rlimits: sandbox::Rlimits {
+                file_size: 1 << 20,
+                open_files: 64,
+                processes: self.as_root.then_some(16),
+            },
+            seccomp: true,
+            landlock: true,
+            outputs: Vec::new(),
+            log_cap: 4096,
+            program: self.cfg.program.clone(),
+            devices: Vec::new(),
+        };
+        let result = (|| {
+            write_lease(&dir, now_ms() + 30_000).map_err(|e| e.to_string())?;
+            let mut launch = sandbox::launch(&spec, self.as_root.then_some((uid, uid)), &cgroup)
+                .map_err(|e| e.to_string())?;
+            let ready = launch.wait_ready(Duration::from_secs(10));
+            let checked = ready
+                .map_err(|e| e.to_string())
+                .and_then(|(pid, reported)| {
+                    sandbox::check_running(pid, &cgroup, &self.cgroup_layers, &reported)
+                });
+            launch.abort();
+            checked
+        })();
+        let confirmed = cgroup.kill_and_confirm(Duration::from_secs(5));
+        let _ = cgroup.remove();
+        let _ = fs::remove_dir_all(&dir);
+        let check = result.map_err(unavailable)?;
+        if !confirmed {
+            return Err(unavailable(
+                "the self-test sandbox could not be killed".into(),
+            ));
+        }
+        Ok(check.layers)
+    }
+
+    /// The administrator's checks before clearing: no process left in the attempt's
+    /// cgroups, and its storage removed.
+    fn idle_and_clean(&self, id: &str) -> Result<(), String> {
+        let cg = self.cgroups.open(id);
+        if !cg.kill_and_confirm(Duration::from_secs(5)) {
+            return Err(format!(
+                "processes are still in the cgroups of {id}: {:?}",
+                cg.pids()
+            ));
+        }
+        cg.remove().map_err(|e| e.to_string())?;
+        driver::remove_storage(&self.attempt_dir(id)).map_err(|e| format!("storage: {e}"))
+    }
+
+    fn failpoint(&self, at: &str) {
+        if self.pause_at.as_deref() == Some(at) {
+            eprintln!("executor: paused at {at} (CANNABIS_EXEC_PAUSE_AT)");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+    }
+}
+
+fn write_lease(dir: &Path, until_ms: u64) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{}.tmp", files::LEASE));
+    fs::write(&tmp, until_ms.to_string())?;
+    fs::rename(&tmp, dir.join(files::LEASE))
+}
+
+fn input_name(input: &TaskInput) -> &str {
+    match input {
+        TaskInput::Staged(r) => &r.name,
+        TaskInput::FromTask { name, .. } => name,
+    }
+}
+
+/// A plain file name: no path, no `.` or `..`, not a log's name.
+fn plain_name(name: &str) -> Result<(), String> {
+    if name.is_empty()
+        || name == "."
+        || name == ".."
+        || name.contains('/')
+        || name.contains('\0')
+        || name == "stdout"
+        || name == "stderr"
+        || name.len() > 255
+    {
+        return Err(format!("name {name:?} is not a plain file name"));
+    }
+    Ok(())
+}
+
+/// An adapter's name as the job file writes it.
+pub fn kind_name(kind: AdapterKind) -> &'static str {
+    match kind {
+        AdapterKind::Process => "process",
+        AdapterKind::Synthetic => "synthetic",
+        AdapterKind::Torchrun => "torchrun",
+    }
+}
+
+/// A layer's name as job files and ads write it.
+pub fn layer_name(layer: IsolationLayer) -> String {
+    serde_json::to_value(layer)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{layer:?}"))
+}
+
+/// A readable summary of an exit record.
+pub fn describe_exit(exit: &ExitRecord) -> String {
+    match (exit.code, exit.signal, &exit.ended_by) {
+        (_, _, Some(by)) => by.clone(),
+        (Some(c), _, _) => format!("exit code {c}"),
+        (_, Some(s), _) => format!("signal {s}"),
+        _ => "no exit status".into(),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use cannabis_protocol::{Amount, Requirements, Resources, TaskSpec, Workload};
+
+    use super::*;
+
+    pub(crate) fn task(adapter: AdapterKind) -> TaskSpec {
+        TaskSpec {
+            name: "t".into(),
+            workload: Workload {
+                adapter,
+                digest: Digest([0; 32]),
+                entrypoint: Vec::new(),
+            },
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            resources: Resources {
+                cpu_millicores: 1000,
+                memory_bytes: 64 << 20,
+                swap_bytes: 0,
+                processes: 32,
+                storage_bytes: 1 << 20,
+                gpus: 0,
+            },
+            requirements: Requirements::default(),
+            group_size: 1,
+            depends_on: Vec::new(),
+            budget: Amount(0),
+        }
+    }
+
+    #[test]
+    fn names_must_be_plain() {
+        for bad in ["", ".", "..", "a/b", "../x", "stdout", "stderr", "x\0y"] {
+            assert!(plain_name(bad).is_err(), "{bad:?}");
+        }
+        for good in ["model.safetensors", "result.json", ".hidden", "a..b"] {
+            assert!(plain_name(good).is_ok(), "{good:?}");
+        }
+    }
+}

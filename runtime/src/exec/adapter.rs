@@ -1,0 +1,208 @@
+//! Adapters: how a kind of workload becomes a sandboxed command. They share one contract:
+//! the executor stages, starts, observes and stops every kind alike; an adapter says what
+//! isolation it needs, what to run, which outputs it declares, and how to read its result.
+
+use std::path::Path;
+
+use cannabis_protocol::{AdapterKind, Digest, IsolationLayer};
+
+use super::attempt::{AttemptRequest, SyntheticResult};
+use crate::sandbox::paths;
+
+/// What an adapter runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Command {
+    pub(crate) argv: Vec<String>,
+    pub(crate) cwd: String,
+    /// Declared outputs with their size caps.
+    pub(crate) outputs: Vec<(String, u64)>,
+}
+
+/// The contract every adapter keeps.
+pub(crate) trait Adapter: Sync {
+    /// Layers it cannot run without.
+    fn isolation(&self) -> &'static [IsolationLayer];
+    /// Checks the request before anything is reserved.
+    fn check(&self, request: &AttemptRequest) -> Result<(), String>;
+    /// Whether the request carries a bundle to verify and unpack.
+    fn needs_bundle(&self) -> bool;
+    /// The command, its working directory and its outputs.
+    fn command(&self, request: &AttemptRequest) -> Result<Command, String>;
+    /// Reads the adapter's own result from the copied outputs, once the command exited 0.
+    fn interpret(
+        &self,
+        request: &AttemptRequest,
+        outputs: &Path,
+    ) -> Result<Option<SyntheticResult>, String>;
+}
+
+/// The adapter for `kind`, if this executor has one.
+pub(crate) fn adapter(kind: AdapterKind) -> Option<&'static dyn Adapter> {
+    match kind {
+        AdapterKind::Process => Some(&Process),
+        AdapterKind::Synthetic => Some(&Synthetic),
+        AdapterKind::Torchrun => None,
+    }
+}
+
+/// The environment every command gets (and nothing of the host's).
+pub(crate) fn base_env() -> Vec<(String, String)> {
+    [
+        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        ("HOME", paths::WORK),
+        ("TMPDIR", "/tmp"),
+        ("LANG", "C.UTF-8"),
+        ("CANNABIS_WORK", paths::WORK),
+        ("CANNABIS_INPUTS", paths::INPUTS),
+        ("CANNABIS_BUNDLE", paths::BUNDLE),
+        ("PYTHONDONTWRITEBYTECODE", "1"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+/// A requester's program bundle (a tar file pinned by digest) run with its entrypoint, in
+/// the bundle directory; outputs are written to `$CANNABIS_WORK/<name>`.
+struct Process;
+
+const ALL_NAMESPACES: &[IsolationLayer] = &[
+    IsolationLayer::UserNamespace,
+    IsolationLayer::MountNamespace,
+    IsolationLayer::PidNamespace,
+    IsolationLayer::NetworkNamespace,
+    IsolationLayer::IpcUtsNamespace,
+    IsolationLayer::NoPrivileges,
+    IsolationLayer::Seccomp,
+    IsolationLayer::BoundedWorkdir,
+];
+
+impl Adapter for Process {
+    fn isolation(&self) -> &'static [IsolationLayer] {
+        ALL_NAMESPACES
+    }
+
+    fn check(&self, request: &AttemptRequest) -> Result<(), String> {
+        if request.task.workload.entrypoint.is_empty() {
+            return Err("the process adapter needs an entrypoint".into());
+        }
+        if request.bundle.is_none() {
+            return Err("the process adapter needs the program bundle".into());
+        }
+        Ok(())
+    }
+
+    fn needs_bundle(&self) -> bool {
+        true
+    }
+
+    fn command(&self, request: &AttemptRequest) -> Result<Command, String> {
+        Ok(Command {
+            argv: request.task.workload.entrypoint.clone(),
+            cwd: paths::BUNDLE.into(),
+            outputs: request
+                .task
+                .outputs
+                .iter()
+                .map(|o| (o.name.clone(), o.max_bytes))
+                .collect(),
+        })
+    }
+
+    fn interpret(&self, _: &AttemptRequest, _: &Path) -> Result<Option<SyntheticResult>, String> {
+        Ok(None)
+    }
+}
+
+/// The synthetic proof-of-compute task ([`cannabis_protocol::synthetic`]): this binary,
+/// inside the sandbox, multiplies the seeded matrices and writes `result.json`.
+struct Synthetic;
+
+/// The synthetic task's result file.
+pub(crate) const SYNTHETIC_RESULT: &str = "result.json";
+/// Default matrix dimension.
+pub(crate) const SYNTHETIC_DEFAULT_N: u32 = 256;
+
+/// The dimension a synthetic task asks for: `entrypoint = ["<n>"]`, or the default.
+pub(crate) fn synthetic_n(request: &AttemptRequest) -> Result<u32, String> {
+    match request.task.workload.entrypoint.as_slice() {
+        [] => Ok(SYNTHETIC_DEFAULT_N),
+        [n] => {
+            let n: u32 = n
+                .parse()
+                .map_err(|_| format!("synthetic entrypoint {n:?} is not a matrix size"))?;
+            cannabis_protocol::synthetic::SyntheticTask::new(Digest([0; 32]), n)
+                .map(|t| t.n)
+                .map_err(|e| e.to_string())
+        }
+        more => Err(format!(
+            "the synthetic adapter takes at most one argument, the matrix size; got {more:?}"
+        )),
+    }
+}
+
+impl Adapter for Synthetic {
+    fn isolation(&self) -> &'static [IsolationLayer] {
+        &[
+            IsolationLayer::NetworkNamespace,
+            IsolationLayer::NoPrivileges,
+        ]
+    }
+
+    fn check(&self, request: &AttemptRequest) -> Result<(), String> {
+        if request.seed.is_none() {
+            return Err("the synthetic adapter needs a seed".into());
+        }
+        synthetic_n(request).map(|_| ())
+    }
+
+    fn needs_bundle(&self) -> bool {
+        false
+    }
+
+    fn command(&self, request: &AttemptRequest) -> Result<Command, String> {
+        let seed = request.seed.ok_or("the synthetic adapter needs a seed")?;
+        let n = synthetic_n(request)?;
+        Ok(Command {
+            argv: vec![
+                paths::SELF.into(),
+                "exec".into(),
+                "synthetic".into(),
+                "--seed".into(),
+                seed.to_string(),
+                "--size".into(),
+                n.to_string(),
+                "--out".into(),
+                format!("{}/{SYNTHETIC_RESULT}", paths::WORK),
+            ],
+            cwd: paths::WORK.into(),
+            outputs: vec![(SYNTHETIC_RESULT.into(), 4096)],
+        })
+    }
+
+    fn interpret(
+        &self,
+        request: &AttemptRequest,
+        outputs: &Path,
+    ) -> Result<Option<SyntheticResult>, String> {
+        let text = std::fs::read_to_string(outputs.join(SYNTHETIC_RESULT))
+            .map_err(|e| format!("reading {SYNTHETIC_RESULT}: {e}"))?;
+        let result: SyntheticResult = serde_json::from_str(&text)
+            .map_err(|e| format!("{SYNTHETIC_RESULT} is not a synthetic result: {e}"))?;
+        if Some(result.seed) != request.seed || result.n != synthetic_n(request)? {
+            return Err(format!("{SYNTHETIC_RESULT} answers another task"));
+        }
+        Ok(Some(result))
+    }
+}
+
+/// Runs the synthetic task here (the command inside the sandbox) and returns the result.
+pub fn run_synthetic(seed: Digest, n: u32) -> Result<SyntheticResult, String> {
+    let task =
+        cannabis_protocol::synthetic::SyntheticTask::new(seed, n).map_err(|e| e.to_string())?;
+    Ok(SyntheticResult {
+        seed,
+        n,
+        result_hash: task.run(),
+    })
+}
