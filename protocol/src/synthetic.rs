@@ -130,6 +130,34 @@ mod tests {
         assert_ne!(t1.run(), t3.run());
     }
 
+    /// The hash is pinned: any build, on any machine, must give exactly this.
+    #[test]
+    fn a_known_answer_pins_the_result_across_builds() {
+        let t = SyntheticTask::new(Digest::of(b"seed"), 64).unwrap();
+        assert_eq!(
+            t.run().to_string(),
+            "1122e93f3fdaa7eec0bcee83ac778b87765425007755a7e32e604c1b4a8e2346"
+        );
+    }
+
+    /// Another summation order (j-k-i, column by column) gives the same integers.
+    #[test]
+    fn the_order_of_summation_does_not_matter() {
+        for n in [1usize, 7, 33] {
+            let t = SyntheticTask::new(Digest::of(&[n as u8]), n as u32).unwrap();
+            let (a, b) = t.matrices();
+            let mut c = vec![0i32; n * n];
+            for j in 0..n {
+                for k in (0..n).rev() {
+                    for i in 0..n {
+                        c[i * n + j] += i32::from(a[i * n + k]) * i32::from(b[k * n + j]);
+                    }
+                }
+            }
+            assert_eq!(c, multiply(&a, &b, n), "n = {n}");
+        }
+    }
+
     #[test]
     fn sizes_are_checked() {
         assert!(SyntheticTask::new(Digest::of(b""), 0).is_err());

@@ -1,6 +1,7 @@
 //! Tests of the node: the `cannabis` binary as a user runs it, and real swarms on loopback.
 
 mod cli;
+mod exec;
 mod hostile;
 mod market;
 mod net;

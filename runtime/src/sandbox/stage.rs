@@ -7,6 +7,7 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::{OpenOptionsExt, symlink};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -116,6 +117,7 @@ fn monitor(
     // for control ("spec", "ready", "go", "exit"); its output goes through pipes we cap.
     let (ours, theirs) = UnixStream::pair().ctx(|| "socketpair".into())?;
     let mut init = Command::new(&spec.program)
+        .arg0("cannabis")
         .arg(STAGE2_ARG)
         .env_clear()
         .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
