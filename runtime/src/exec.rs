@@ -282,6 +282,7 @@ impl Executor {
             cleanup: Cleanup::Pending,
             cancel: None,
             layers: Vec::new(),
+            monitor_pid: None,
             exit: None,
             result: None,
             retry_of: None,
@@ -617,12 +618,12 @@ impl Inner {
                 let a: Attempt = serde_json::from_slice(&value)
                     .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
                 st.attempts.insert(id.to_string(), a);
-            } else if let Some(name) = key.strip_prefix(ORPHAN_PREFIX) {
-                if !value.is_empty() {
-                    let o: Orphan = serde_json::from_slice(&value)
-                        .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
-                    st.orphans.insert(name.to_string(), o);
-                }
+            } else if let Some(name) = key.strip_prefix(ORPHAN_PREFIX)
+                && !value.is_empty()
+            {
+                let o: Orphan = serde_json::from_slice(&value)
+                    .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
+                st.orphans.insert(name.to_string(), o);
             }
         }
         // Leftovers nobody has a record of: their outcome is unknown and they stay

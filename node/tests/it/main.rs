@@ -2,6 +2,7 @@
 
 mod cli;
 mod exec;
+mod exec_restart;
 mod hostile;
 mod market;
 mod net;

@@ -150,6 +150,8 @@ pub struct Attempt {
     pub cancel: Option<(u64, String)>,
     /// Layers the host saw in effect on the running sandbox.
     pub layers: Vec<IsolationLayer>,
+    /// Host pid of the sandbox's monitor, once started.
+    pub monitor_pid: Option<u32>,
     /// What the sandbox observed.
     pub exit: Option<ExitRecord>,
     /// The synthetic task's result.
@@ -310,6 +312,7 @@ mod tests {
             cleanup: Cleanup::Pending,
             cancel: None,
             layers: vec![],
+            monitor_pid: None,
             exit: None,
             result: None,
             retry_of: None,

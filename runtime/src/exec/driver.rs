@@ -29,18 +29,16 @@ pub(super) fn drive(inner: &Inner, id: &str) {
             AttemptState::Reserved => reserved(inner, &a),
             // Only seen after a restart: the command was never started (running is
             // journaled before the start), so nothing ran.
-            AttemptState::Preparing => inner
-                .update(id, |a| {
-                    a.finish(
-                        now_ms(),
-                        AttemptState::Failed,
-                        Some(
-                            "the executor restarted during preparation; the command never started"
-                                .into(),
-                        ),
-                    )
-                })
-                .map(|()| ()),
+            AttemptState::Preparing => inner.update(id, |a| {
+                a.finish(
+                    now_ms(),
+                    AttemptState::Failed,
+                    Some(
+                        "the executor restarted during preparation; the command never started"
+                            .into(),
+                    ),
+                )
+            }),
             AttemptState::Running => monitor(inner, &a),
             _ if a.cleanup == Cleanup::Pending => cleanup(inner, &a),
             _ => return,
@@ -124,7 +122,7 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         needed += fs::metadata(b).map(|m| m.len()).unwrap_or(0) * 2;
     }
     let free = nix::sys::statvfs::statvfs(&dir)
-        .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
+        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
         .map_err(|e| format!("checking free disk: {e}"))?;
     if needed.saturating_add(64 << 20) > free {
         return Err(format!(
@@ -149,13 +147,13 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         let dest = dir.join(files::INPUTS).join(name);
         let (digest, size) =
             copy_hashed(path, &dest).map_err(|e| format!("staging input {name:?}: {e}"))?;
-        if let TaskInput::Staged(r) = input {
-            if digest != r.digest || size != r.size_bytes {
-                return Err(format!(
-                    "input {name:?} does not match its pin: expected {} ({} bytes), staged {digest} ({size} bytes)",
-                    r.digest, r.size_bytes
-                ));
-            }
+        if let TaskInput::Staged(r) = input
+            && (digest != r.digest || size != r.size_bytes)
+        {
+            return Err(format!(
+                "input {name:?} does not match its pin: expected {} ({} bytes), staged {digest} ({size} bytes)",
+                r.digest, r.size_bytes
+            ));
         }
     }
     if let Some(uid) = as_uid {
@@ -225,7 +223,12 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         ));
     }
     let now = now_ms();
-    if let Err(e) = inner.update(&a.id, |a| a.to_running(now, check.layers.clone())) {
+    let monitor_pid = launch.monitor_pid();
+    let running = inner.update(&a.id, |a| {
+        a.monitor_pid = Some(monitor_pid);
+        a.to_running(now, check.layers.clone())
+    });
+    if let Err(e) = running {
         launch.abort();
         return Err(e.to_string());
     }

@@ -294,10 +294,11 @@ impl JobCgroup {
     /// kill each process, thaw. Does not wait; see [`JobCgroup::kill_and_confirm`].
     pub fn kill(&self) {
         for (kind, dir) in &self.dirs {
-            if *kind == Kind::V2 && dir.join("cgroup.kill").exists() {
-                if fs::write(dir.join("cgroup.kill"), "1").is_ok() {
-                    return;
-                }
+            if *kind == Kind::V2
+                && dir.join("cgroup.kill").exists()
+                && fs::write(dir.join("cgroup.kill"), "1").is_ok()
+            {
+                return;
             }
         }
         let freezer = self

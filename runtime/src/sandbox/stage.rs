@@ -501,7 +501,7 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
         symlink(target, dev.join(name)).ctx(|| format!("linking /dev/{name}"))?;
     }
     fs::create_dir(dev.join("shm")).ctx(|| "creating /dev/shm".into())?;
-    let shm = spec.work_bytes.min(64 << 20).max(4096);
+    let shm = spec.work_bytes.clamp(4096, 64 << 20);
     tmpfs(
         &dev.join("shm"),
         &format!("size={shm},mode=0755"),
@@ -590,6 +590,10 @@ fn remount_ro(at: &Path) -> R<()> {
 // ---------------------------------------------------------------- stage 2
 
 fn stage2() -> i32 {
+    // If the monitor dies, so does the sandbox: nobody would enforce its lease.
+    if nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).is_err() {
+        return 2;
+    }
     let Ok(fd) = io::stdin().as_fd().try_clone_to_owned() else {
         return 2;
     };
