@@ -34,16 +34,20 @@ pub fn ceilings_path(flag: Option<&Path>) -> PathBuf {
 }
 
 /// Opens an executor under `dir` with the ceilings at `ceilings` and the owner's limits.
+/// `cdi_map` is the owner's pinned NVIDIA CDI map, from which granted GPUs' device nodes
+/// come.
 pub fn open(
     dir: &Path,
     machine: &Limits,
     ceilings: &Path,
     owner: &LimitsFile,
+    cdi_map: Option<&Path>,
     journal: Arc<dyn Journal>,
 ) -> Result<Executor, String> {
     let ceilings = Ceilings::load(ceilings, machine)?;
     let owner = ceilings.owner(owner)?;
     let program = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
-    let cfg = ExecutorConfig::new(dir.to_path_buf(), program, ceilings, owner);
+    let mut cfg = ExecutorConfig::new(dir.to_path_buf(), program, ceilings, owner);
+    cfg.cdi_map = cdi_map.map(Path::to_path_buf);
     Executor::open(cfg, journal).map_err(|e| e.to_string())
 }

@@ -228,6 +228,7 @@ async fn open_executor(
     let dir = data_dir.join("exec");
     let ceilings = crate::exec::ceilings_path(config.ceilings.as_deref());
     let owner = config.executor.clone();
+    let cdi_map = config.owner.cdi_map.clone();
     let data_dir = data_dir.to_path_buf();
     let journal: std::sync::Arc<dyn cannabis_runtime::exec::Journal> = store.clone();
     let opened = tokio::task::spawn_blocking(move || {
@@ -237,7 +238,14 @@ async fn open_executor(
             .map(|g| g.uuid)
             .collect();
         let machine = crate::exec::machine_limits(&data_dir, gpus);
-        crate::exec::open(&dir, &machine, &ceilings, &owner, journal)
+        crate::exec::open(
+            &dir,
+            &machine,
+            &ceilings,
+            &owner,
+            cdi_map.as_deref(),
+            journal,
+        )
     })
     .await
     .unwrap_or_else(|e| Err(format!("the executor did not open: {e}")));

@@ -23,11 +23,26 @@ to the path pinned in owner.cdi_map";
 struct Spec {
     kind: String,
     devices: Vec<Device>,
+    #[serde(default, rename = "containerEdits")]
+    edits: Edits,
 }
 
 #[derive(Deserialize)]
 struct Device {
     name: String,
+    #[serde(default, rename = "containerEdits")]
+    edits: Edits,
+}
+
+#[derive(Default, Deserialize)]
+struct Edits {
+    #[serde(default, rename = "deviceNodes")]
+    device_nodes: Vec<DeviceNode>,
+}
+
+#[derive(Deserialize)]
+struct DeviceNode {
+    path: String,
 }
 
 /// Why the map was refused.
@@ -109,6 +124,49 @@ pub fn check(path: &Path, probed: &[Gpu]) -> Result<BTreeSet<String>, CdiError> 
     Ok(mapped)
 }
 
+/// The device nodes the pinned map gives the GPUs `uuids` (each device's own nodes, then
+/// the map's common ones such as `/dev/nvidiactl` and `/dev/nvidia-uvm`), for a sandbox
+/// that was granted exactly those GPUs. A UUID the map does not name is an error.
+pub fn device_nodes(path: &Path, uuids: &[String]) -> Result<Vec<std::path::PathBuf>, CdiError> {
+    let shown = path.display().to_string();
+    let unusable = |reason: String| CdiError::Unusable {
+        path: shown.clone(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| unusable(e.to_string()))?;
+    let spec: Spec =
+        serde_json::from_str(&text).map_err(|e| unusable(format!("not a JSON CDI spec: {e}")))?;
+    let mut nodes: Vec<std::path::PathBuf> = Vec::new();
+    for uuid in uuids {
+        let device = spec
+            .devices
+            .iter()
+            .find(|d| &d.name == uuid)
+            .ok_or_else(|| unusable(format!("it names no device {uuid}")))?;
+        nodes.extend(
+            device
+                .edits
+                .device_nodes
+                .iter()
+                .map(|n| n.path.clone().into()),
+        );
+    }
+    nodes.extend(
+        spec.edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.clone().into()),
+    );
+    nodes.dedup();
+    if let Some(bad) = nodes.iter().find(|n| !n.starts_with("/dev/")) {
+        return Err(unusable(format!(
+            "device node {} is not under /dev",
+            bad.display()
+        )));
+    }
+    Ok(nodes)
+}
+
 /// Applies the map to probed GPUs: with no pinned map, or a refused one, no GPU stays
 /// allowed. Returns the refusal, if any, for the operator.
 pub fn enforce(map: Option<&Path>, gpus: &mut [Gpu]) -> Option<String> {
@@ -133,6 +191,27 @@ pub fn enforce(map: Option<&Path>, gpus: &mut [Gpu]) -> Option<String> {
 mod tests {
     use super::*;
     use cannabis_protocol::GpuVendor;
+
+    #[test]
+    fn device_nodes_are_the_devices_own_then_the_common_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nvidia.json");
+        std::fs::write(
+            &path,
+            r#"{"kind": "nvidia.com/gpu",
+                "devices": [
+                  {"name": "GPU-a", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}},
+                  {"name": "GPU-b", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1"}]}}],
+                "containerEdits": {"deviceNodes": [{"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia-uvm"}]}}"#,
+        )
+        .unwrap();
+        let nodes = device_nodes(&path, &["GPU-b".into()]).unwrap();
+        assert_eq!(
+            nodes,
+            ["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"].map(std::path::PathBuf::from)
+        );
+        assert!(device_nodes(&path, &["GPU-x".into()]).is_err());
+    }
 
     fn gpu(uuid: &str, allowed: bool) -> Gpu {
         Gpu {

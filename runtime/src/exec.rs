@@ -98,6 +98,8 @@ pub struct ExecutorConfig {
     pub local_lease_ms: u64,
     /// Cap on each of standard output and standard error, in bytes.
     pub log_cap: u64,
+    /// The administrator-pinned NVIDIA CDI map: granted GPUs' device nodes come from it.
+    pub cdi_map: Option<PathBuf>,
 }
 
 impl ExecutorConfig {
@@ -110,6 +112,7 @@ impl ExecutorConfig {
             owner,
             local_lease_ms: 15_000,
             log_cap: 16 << 20,
+            cdi_map: None,
         }
     }
 }
@@ -1007,6 +1010,106 @@ pub(crate) mod tests {
             depends_on: Vec::new(),
             budget: Amount(0),
         }
+    }
+
+    struct Memory(Mutex<BTreeMap<String, Vec<u8>>>);
+
+    impl Journal for Memory {
+        fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+            self.0.lock().unwrap().insert(key.into(), value.to_vec());
+            Ok(())
+        }
+        fn all(&self) -> Result<Vec<(String, Vec<u8>)>, String> {
+            Ok(self.0.lock().unwrap().clone().into_iter().collect())
+        }
+    }
+
+    /// Admission alone, on an executor whose sandbox showed only some layers.
+    fn inner(layers: Vec<IsolationLayer>) -> Inner {
+        let machine = Limits {
+            cpu_millicores: 2000,
+            memory_bytes: 1 << 30,
+            swap_bytes: 0,
+            processes: 100,
+            storage_bytes: 1 << 30,
+            gpus: vec!["GPU-a".into()],
+            adapters: vec![AdapterKind::Process, AdapterKind::Synthetic],
+            custom_code: true,
+        };
+        let ceilings = Ceilings::load(Path::new("/nonexistent"), &machine).unwrap();
+        Inner {
+            cfg: ExecutorConfig::new("/x".into(), "/x".into(), ceilings, machine),
+            journal: Arc::new(Memory(Mutex::new(BTreeMap::new()))),
+            cgroups: Cgroups::default(),
+            cgroup_layers: Vec::new(),
+            layers,
+            as_root: false,
+            state: Mutex::new(State {
+                attempts: BTreeMap::new(),
+                orphans: BTreeMap::new(),
+                control: Control::Active,
+            }),
+            shutdown: AtomicBool::new(false),
+            pause_at: None,
+        }
+    }
+
+    fn req(task: TaskSpec) -> AttemptRequest {
+        AttemptRequest {
+            request_id: "r".into(),
+            task,
+            bundle: Some("/b.tar".into()),
+            inputs: Vec::new(),
+            seed: Some(Digest([1; 32])),
+            lease_until_ms: 0,
+            renewal: Renewal::Local,
+        }
+    }
+
+    #[test]
+    fn isolation_this_machine_cannot_provide_is_refused_with_the_reason() {
+        let few = inner(vec![
+            IsolationLayer::NetworkNamespace,
+            IsolationLayer::NoPrivileges,
+        ]);
+        let st = few.lock();
+        // The synthetic adapter needs only what is there.
+        assert!(few.admit(&st, &req(task(AdapterKind::Synthetic))).is_ok());
+        // A task that requires a missing layer is refused, naming it.
+        let mut t = task(AdapterKind::Synthetic);
+        t.requirements.isolation = vec![IsolationLayer::Landlock];
+        let why = few.admit(&st, &req(t)).unwrap_err();
+        assert!(why.contains("landlock"), "{why}");
+        // The process adapter needs every namespace and seccomp.
+        let mut t = task(AdapterKind::Process);
+        t.workload.entrypoint = vec!["sh".into()];
+        let why = few.admit(&st, &req(t)).unwrap_err();
+        assert!(why.contains("process adapter needs"), "{why}");
+    }
+
+    #[test]
+    fn admission_counts_what_is_held_and_hands_out_whole_gpus() {
+        let ex = inner(vec![
+            IsolationLayer::NetworkNamespace,
+            IsolationLayer::NoPrivileges,
+        ]);
+        let mut st = ex.lock();
+        let mut t = task(AdapterKind::Synthetic);
+        t.resources.gpus = 1;
+        t.resources.memory_bytes = 600 << 20;
+        let r = ex.admit(&st, &req(t.clone())).unwrap();
+        assert_eq!(r.gpus, ["GPU-a"]);
+        let mut held = attempt::tests::attempt();
+        held.reservation = Some(r);
+        st.attempts.insert("a1".into(), held);
+        let why = ex.admit(&st, &req(t.clone())).unwrap_err();
+        assert!(why.starts_with("busy: memory"), "{why}");
+        t.resources.memory_bytes = 1 << 20;
+        let why = ex.admit(&st, &req(t.clone())).unwrap_err();
+        assert!(why.contains("busy: gpus"), "{why}");
+        t.resources.gpus = 2;
+        let why = ex.admit(&st, &req(t)).unwrap_err();
+        assert!(why.contains("at most 1"), "{why}");
     }
 
     #[test]

@@ -71,13 +71,23 @@ fn exec_run(
     data_dir: impl Fn() -> anyhow::Result<PathBuf>,
 ) -> anyhow::Result<()> {
     let request = build_request(args)?;
+    // The node's key, when there is one, signs a synthetic task's ComputeResult.
+    let keys = data_dir().ok().and_then(|d| {
+        let paths = cannabis_node::keystore::KeyPaths::new(&d);
+        paths
+            .node
+            .exists()
+            .then(|| cannabis_node::keystore::load(&paths).ok())
+            .flatten()
+    });
+    let signer = keys.as_ref().map(|k| &k.signing);
     if args.on_node {
         let client = ApiClient::from_data_dir(&data_dir()?)?;
         let attempt: Attempt = client.post("/v1/exec/attempts", &request)?;
         if args.detach || attempt.refused {
-            return finish(&client, attempt, args, true);
+            return finish(&client, attempt, args, true, signer);
         }
-        return follow(&client, &attempt.id, args);
+        return follow(&client, &attempt.id, args, signer);
     }
     // A private executor with its own journal, in a scratch directory that sandbox users
     // can reach.
@@ -91,9 +101,12 @@ fn exec_run(
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o711))?;
         let store = Arc::new(Store::open(&scratch.join("exec.redb"))?);
-        let owner = match &args.config {
-            Some(path) => cannabis_node::NodeConfig::from_file(path)?.executor,
-            None => LimitsFile::default(),
+        let (owner, cdi_map) = match &args.config {
+            Some(path) => {
+                let c = cannabis_node::NodeConfig::from_file(path)?;
+                (c.executor, c.owner.cdi_map)
+            }
+            None => (LimitsFile::default(), None),
         };
         let gpus = cannabis_runtime::probe::gpus(&cannabis_runtime::gpu::Nvml, &[], None)
             .1
@@ -102,9 +115,15 @@ fn exec_run(
             .collect();
         let machine = cannabis_node::exec::machine_limits(&scratch, gpus);
         let ceilings = cannabis_node::exec::ceilings_path(args.ceilings.as_deref());
-        let ex =
-            cannabis_node::exec::open(&scratch.join("exec"), &machine, &ceilings, &owner, store)
-                .map_err(|e| anyhow::anyhow!(e))?;
+        let ex = cannabis_node::exec::open(
+            &scratch.join("exec"),
+            &machine,
+            &ceilings,
+            &owner,
+            cdi_map.as_deref(),
+            store,
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
         if !args.format.json {
             let layers: Vec<String> = ex.layers().iter().map(|l| layer_name(*l)).collect();
             out!("sandbox layers in effect: {}", layers.join(", "))?;
@@ -112,9 +131,9 @@ fn exec_run(
         }
         let attempt = ex.submit(request)?;
         let r = if attempt.refused {
-            finish(&ex, attempt, args, true)
+            finish(&ex, attempt, args, true, signer)
         } else {
-            follow(&ex, &attempt.id, args)
+            follow(&ex, &attempt.id, args, signer)
         };
         ex.shutdown();
         r
@@ -222,7 +241,12 @@ fn build_request(args: &ExecRunArgs) -> anyhow::Result<AttemptRequest> {
 }
 
 /// Prints the attempt's history as it happens, until its cleanup has ended.
-fn follow(source: &dyn AttemptSource, id: &str, args: &ExecRunArgs) -> anyhow::Result<()> {
+fn follow(
+    source: &dyn AttemptSource,
+    id: &str,
+    args: &ExecRunArgs,
+    signer: Option<&cannabis_protocol::Keypair>,
+) -> anyhow::Result<()> {
     let mut shown = 0;
     let started = Instant::now();
     loop {
@@ -235,7 +259,7 @@ fn follow(source: &dyn AttemptSource, id: &str, args: &ExecRunArgs) -> anyhow::R
         }
         shown = a.history.len();
         if a.state.is_final() && a.cleanup != Cleanup::Pending {
-            return finish(source, a, args, false);
+            return finish(source, a, args, false, signer);
         }
         let _ = started;
         std::thread::sleep(Duration::from_millis(50));
@@ -247,6 +271,7 @@ fn finish(
     a: Attempt,
     args: &ExecRunArgs,
     history: bool,
+    signer: Option<&cannabis_protocol::Keypair>,
 ) -> anyhow::Result<()> {
     let mut saved = Vec::new();
     if a.state.is_final() && !a.refused {
@@ -263,8 +288,23 @@ fn finish(
             }
         }
     }
+    // A synthetic result goes into a ComputeResult, signed by this node's key if it has one.
+    let compute = match (&a.result, signer) {
+        (Some(r), Some(keys)) => {
+            let task_id = cannabis_protocol::Uuid::from_random(
+                Digest::of(a.request.request_id.as_bytes()).0[..16]
+                    .try_into()
+                    .unwrap_or([0; 16]),
+            );
+            let c =
+                cannabis_protocol::ComputeResult::signed(keys, task_id, r.result_hash, None, None);
+            c.verify().context("the compute result does not verify")?;
+            Some(c)
+        }
+        _ => None,
+    };
     if args.format.json {
-        output::json(&a)?;
+        output::json(&serde_json::json!({ "attempt": a, "compute_result": compute }))?;
     } else {
         if history {
             for (_, what) in &a.history {
@@ -272,6 +312,15 @@ fn finish(
             }
         }
         print_attempt(&a)?;
+        match (&compute, &a.result) {
+            (Some(c), _) => out!(
+                "compute    result {} signed by {} (verifies)",
+                c.result_hash,
+                c.worker_address
+            )?,
+            (None, Some(_)) => out!("compute    unsigned: no node keys in the data directory")?,
+            _ => {}
+        }
         for p in &saved {
             out!("saved      {}", p.display())?;
         }

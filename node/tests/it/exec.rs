@@ -686,3 +686,53 @@ pub(crate) fn wait_for(mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(25));
     }
 }
+
+#[test]
+fn an_expired_lease_stops_the_workload() {
+    let s = setup();
+    let mut req = script_request(s.dir.path(), "lease", "echo up; sleep 600; echo PAST");
+    req.renewal = Renewal::External;
+    req.lease_until_ms = now_ms() + 1500;
+    let a = run(&s.ex, req);
+    assert_eq!(a.state, AttemptState::Failed, "{a:#?}");
+    assert!(
+        a.reason.as_deref().unwrap().contains("lease expired"),
+        "{a:#?}"
+    );
+    assert_eq!(a.cleanup, Cleanup::Released);
+    assert!(!read_all(&s.ex, &a.id, "stdout").contains("PAST"));
+}
+
+#[test]
+fn renewals_keep_it_running_and_the_sandbox_enforces_the_lease_without_the_executor() {
+    let dir = open_dir();
+    let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+    let ex = open_executor(dir.path(), &store);
+    let mut req = script_request(dir.path(), "renewed", "echo up; sleep 600; echo PAST");
+    req.renewal = Renewal::External;
+    req.lease_until_ms = now_ms() + 1500;
+    let a = ex.submit(req).unwrap();
+    // Renewed past the first deadline, it keeps running.
+    wait_for(|| try_read_all(&ex, &a.id, "stdout").is_ok_and(|o| o.contains("up")));
+    ex.renew(&a.id, now_ms() + 2500).unwrap();
+    std::thread::sleep(Duration::from_millis(1800));
+    assert_eq!(ex.get(&a.id).unwrap().state, AttemptState::Running);
+    // The executor goes away; nobody renews; the sandbox stops the command by itself.
+    ex.shutdown();
+    drop(ex);
+    let exit = dir
+        .path()
+        .join("exec/attempts")
+        .join(&a.id)
+        .join("exit.json");
+    wait_for(|| exit.exists());
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&exit).unwrap()).unwrap();
+    assert_eq!(record["ended_by"], "lease expired", "{record}");
+    // The next executor reads what happened.
+    let ex = open_executor(dir.path(), &store);
+    let a = ex.wait(&a.id, Duration::from_secs(20)).unwrap();
+    assert_eq!(a.state, AttemptState::Failed, "{a:#?}");
+    assert!(a.reason.as_deref().unwrap().contains("lease expired"));
+    assert_eq!(a.cleanup, Cleanup::Released);
+}

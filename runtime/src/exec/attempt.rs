@@ -290,7 +290,7 @@ impl Attempt {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn attempt() -> Attempt {

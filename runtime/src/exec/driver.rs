@@ -16,6 +16,9 @@ use super::attempt::{Attempt, AttemptState, Cleanup, Renewal, SyntheticResult};
 use super::{ExecError, Inner, input_name, write_lease};
 use crate::sandbox::{self, CgroupLimits, ExitRecord, SandboxSpec, files, now_ms};
 
+/// The stop reason of an expired lease (the sandbox's monitor writes the same words).
+const LEASE_EXPIRED: &str = "lease expired";
+
 /// Walks attempt `id` until its cleanup has ended (or the executor shuts down).
 pub(super) fn drive(inner: &Inner, id: &str) {
     loop {
@@ -174,8 +177,19 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
             },
         )
         .map_err(|e| e.to_string())?;
+    let devices = if reservation.gpus.is_empty() {
+        Vec::new()
+    } else {
+        let map = inner.cfg.cdi_map.as_ref().ok_or(
+            "GPUs are handed to sandboxes through the pinned CDI map, and none is set (owner.cdi_map)",
+        )?;
+        crate::cdi::device_nodes(map, &reservation.gpus).map_err(|e| e.to_string())?
+    };
     let mut env = base_env();
     env.push(("CANNABIS_ATTEMPT".into(), a.id.clone()));
+    if !reservation.gpus.is_empty() {
+        env.push(("NVIDIA_VISIBLE_DEVICES".into(), reservation.gpus.join(",")));
+    }
     let spec = SandboxSpec {
         attempt_dir: dir.clone(),
         uid,
@@ -196,7 +210,7 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         outputs: command.outputs,
         log_cap: inner.cfg.log_cap,
         program: inner.cfg.program.clone(),
-        devices: Vec::new(),
+        devices,
     };
     let mut launch =
         sandbox::launch(&spec, as_uid.map(|u| (u, u)), &cgroup).map_err(|e| e.to_string())?;
@@ -265,7 +279,7 @@ fn monitor(inner: &Inner, a: &Attempt) -> Result<(), ExecError> {
             inner.renew(id, now + lease_ms)?;
         }
         if a.cancel.is_none() && now > a.lease_until_ms {
-            inner.update(id, |a| Ok(a.record_cancel(now, "lease expired")))?;
+            inner.update(id, |a| Ok(a.record_cancel(now, LEASE_EXPIRED)))?;
             continue;
         }
         if a.cancel.is_some() && !killed {
@@ -311,9 +325,20 @@ fn outcome(
     oom: bool,
 ) -> (AttemptState, Option<String>, Option<SyntheticResult>) {
     let oom_note = if oom { " (memory limit reached)" } else { "" };
+    let stopped = |why: &str| {
+        if why == LEASE_EXPIRED {
+            (
+                AttemptState::Failed,
+                Some("the lease expired; the command was stopped locally".to_string()),
+                None,
+            )
+        } else {
+            (AttemptState::Cancelled, Some(why.to_string()), None)
+        }
+    };
     let Some(exit) = exit else {
         return match &a.cancel {
-            Some((_, why)) => (AttemptState::Cancelled, Some(why.clone()), None),
+            Some((_, why)) => stopped(why),
             None => (
                 AttemptState::Unknown,
                 Some(format!(
@@ -331,17 +356,7 @@ fn outcome(
     if let Some((at, why)) = &a.cancel {
         // A completion observed before the stop stays a completion.
         if !(clean && exit.ended_at_ms <= *at) {
-            let reason = if why == "lease expired" {
-                "the lease expired; the command was stopped locally".to_string()
-            } else {
-                why.clone()
-            };
-            let state = if why == "lease expired" {
-                AttemptState::Failed
-            } else {
-                AttemptState::Cancelled
-            };
-            return (state, Some(reason), None);
+            return stopped(why);
         }
     }
     if !exit.started {
@@ -352,7 +367,7 @@ fn outcome(
         return (AttemptState::Failed, Some(why), None);
     }
     if let Some(by) = &exit.ended_by {
-        let why = if by == "lease expired" {
+        let why = if by == LEASE_EXPIRED {
             "the lease expired; the sandbox stopped the command".to_string()
         } else {
             by.clone()

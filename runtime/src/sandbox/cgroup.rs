@@ -162,9 +162,12 @@ impl Cgroups {
     }
 
     fn dirs(&self, name: &str) -> Vec<(Kind, PathBuf)> {
+        // With `cgroup.kill` the freezer is not needed to kill a tree at once.
+        let skip_freezer = self.kill_method() == Some("cgroup.kill");
         let mut dirs: Vec<(Kind, PathBuf)> = self
             .v1
             .iter()
+            .filter(|(c, _)| !(skip_freezer && *c == "freezer"))
             .map(|(c, b)| (Kind::V1(c), b.join(name)))
             .collect();
         if let Some((b, _)) = &self.v2 {

@@ -38,7 +38,7 @@ pub(super) fn rlimits(limits: &Rlimits) -> R<()> {
 /// Landlock: read and execute beneath the system paths, the inputs and the bundle; write
 /// only beneath the work directory; no TCP; no signals or abstract sockets leaving the
 /// sandbox. Fails unless the kernel enforces all of it.
-pub(super) fn landlock() -> R<()> {
+pub(super) fn landlock(devices: &[std::path::PathBuf]) -> R<()> {
     let abi = ABI::V6;
     let err = |e: landlock::RulesetError| format!("landlock: {e}");
     let existing = |paths: &'static [&'static str]| {
@@ -71,6 +71,11 @@ pub(super) fn landlock() -> R<()> {
         .add_rules(path_beneath_rules(
             existing(&["/dev/null", "/dev/zero", "/dev/full"]),
             AccessFs::from_read(abi) | AccessFs::WriteFile,
+        ))
+        .map_err(err)?
+        .add_rules(path_beneath_rules(
+            devices.iter().filter(|d| d.exists()),
+            AccessFs::from_read(abi) | AccessFs::WriteFile | AccessFs::IoctlDev,
         ))
         .map_err(err)?
         .restrict_self()

@@ -304,7 +304,6 @@ impl Log {
     }
 
     fn finish(self) -> LogCount {
-        let _ = self.file.sync_all();
         self.count
     }
 }
@@ -395,7 +394,6 @@ fn copy_output(from: &Path, to: &Path, cap: u64) -> R<Option<OutputFile>> {
         hasher.update(&buf[..n]);
         out.write_all(&buf[..n]).map_err(|e| e.to_string())?;
     }
-    out.sync_all().map_err(|e| e.to_string())?;
     Ok(Some(OutputFile {
         name: String::new(),
         size,
@@ -407,13 +405,14 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Writes `exit.json` atomically (written aside, then renamed). Not synced to disk: a
+/// record lost to a power failure leaves the attempt `unknown`, which is the truth.
 fn write_exit(dir: &Path, record: &ExitRecord) -> io::Result<()> {
     let tmp = dir.join(format!("{}.tmp", files::EXIT));
     let mut f = File::create(&tmp)?;
     f.write_all(&serde_json::to_vec_pretty(record).map_err(io::Error::other)?)?;
-    f.sync_all()?;
-    fs::rename(&tmp, dir.join(files::EXIT))?;
-    File::open(dir)?.sync_all()
+    drop(f);
+    fs::rename(&tmp, dir.join(files::EXIT))
 }
 
 /// System paths bound read-only into the sandbox (where they exist).
@@ -489,8 +488,10 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
         }
     }
     for device in &spec.devices {
-        let name = device.file_name().ok_or("device path without a name")?;
-        bind(device, &dev.join(name), false, false)?;
+        let rel = device
+            .strip_prefix("/dev")
+            .map_err(|_| format!("device {} is not under /dev", device.display()))?;
+        bind(device, &dev.join(rel), false, false)?;
     }
     for (name, target) in [
         ("fd", "/proc/self/fd"),
@@ -687,7 +688,7 @@ fn init_setup(spec: &SandboxSpec) -> R<String> {
     let mut layers = vec!["rlimits"];
     filter::rlimits(&spec.rlimits)?;
     if spec.landlock {
-        filter::landlock()?;
+        filter::landlock(&spec.devices)?;
         layers.push("landlock");
     }
     nix::sys::prctl::set_no_new_privs().ctx(|| "prctl(PR_SET_NO_NEW_PRIVS)".into())?;
