@@ -925,6 +925,14 @@ impl Inner {
     }
 }
 
+impl Drop for Inner {
+    /// The last handle is gone and every driver has ended: the executor's own cgroup
+    /// directories go too, unless an attempt's cgroup is still in them.
+    fn drop(&mut self) {
+        self.cgroups.remove_base();
+    }
+}
+
 fn write_lease(dir: &Path, until_ms: u64) -> std::io::Result<()> {
     let tmp = dir.join(format!("{}.tmp", files::LEASE));
     fs::write(&tmp, until_ms.to_string())?;

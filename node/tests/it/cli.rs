@@ -621,3 +621,59 @@ fn job_submit_quotes_explains_publishes_and_reports() {
         assert!(c.wait().unwrap().success());
     }
 }
+
+#[test]
+fn exec_run_runs_a_job_file_in_the_sandbox_and_signs_the_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(dir.path(), &["keys", "new"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let address = stdout(&cannabis(dir.path(), &["keys", "address"]))
+        .trim()
+        .to_string();
+    let job = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/examples/synthetic.toml"
+    );
+    let out_dir = dir.path().join("out");
+    let o = cannabis(
+        dir.path(),
+        &[
+            "exec",
+            "run",
+            job,
+            "--json",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["attempt"]["state"], "completed", "{v}");
+    assert_eq!(v["attempt"]["cleanup"], "released", "{v}");
+    let result: cannabis_protocol::ComputeResult =
+        serde_json::from_value(v["compute_result"].clone()).unwrap();
+    result.verify().unwrap();
+    assert_eq!(result.worker_address.to_string(), address);
+    assert_eq!(
+        result.result_hash.to_string(),
+        v["attempt"]["result"]["result_hash"].as_str().unwrap()
+    );
+    let id = v["attempt"]["id"].as_str().unwrap();
+    assert!(out_dir.join(id).join("result.json").exists());
+
+    // A job whose bundle does not match fails with the reason, and nothing runs.
+    let job = dir.path().join("bad.toml");
+    std::fs::write(dir.path().join("b.tar"), b"not what was pinned").unwrap();
+    std::fs::write(
+        &job,
+        "name = \"x\"\nbudget = 1000\ndeadline = \"1h\"\n[[task]]\nname = \"t\"\n[task.workload]\nadapter = \"process\"\ndigest = \"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\"\nentrypoint = [\"sh\"]\n",
+    )
+    .unwrap();
+    let o = cannabis(dir.path(), &["exec", "run", job.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("pinned by digest only"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -223,6 +223,21 @@ impl Cgroups {
         Ok(job)
     }
 
+    /// Removes this executor's own directories if no attempt cgroup is left in them.
+    pub fn remove_base(&self) {
+        let mut bases: Vec<&PathBuf> = self.v1.iter().map(|(_, b)| b).collect();
+        if let Some((b, _)) = &self.v2 {
+            bases.push(b);
+        }
+        for b in bases {
+            let _ = fs::remove_dir(b);
+            // `<own>/cannabis`, once no executor uses it.
+            if let Some(parent) = b.parent() {
+                let _ = fs::remove_dir(parent);
+            }
+        }
+    }
+
     /// The attempt's cgroups as they are (after a restart); they may not exist.
     pub fn open(&self, name: &str) -> JobCgroup {
         JobCgroup {
