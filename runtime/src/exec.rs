@@ -613,6 +613,7 @@ impl Inner {
     fn load(&self) -> Result<(), ExecError> {
         let records = self.journal.all().map_err(ExecError::Journal)?;
         let mut st = self.lock();
+        let mut cleared = std::collections::BTreeSet::new();
         for (key, value) in records {
             if key == CONTROL_KEY {
                 st.control = serde_json::from_slice(&value)
@@ -622,8 +623,10 @@ impl Inner {
                     .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
                 st.attempts.insert(id.to_string(), a);
             } else if let Some(name) = key.strip_prefix(ORPHAN_PREFIX)
-                && !value.is_empty()
+                && value.is_empty()
             {
+                cleared.insert(name.to_string());
+            } else if let Some(name) = key.strip_prefix(ORPHAN_PREFIX) {
                 let o: Orphan = serde_json::from_slice(&value)
                     .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
                 st.orphans.insert(name.to_string(), o);
@@ -647,7 +650,10 @@ impl Inner {
         }
         let now = now_ms();
         for (name, what) in found {
-            if st.attempts.contains_key(&name) || st.orphans.contains_key(&name) {
+            if st.attempts.contains_key(&name)
+                || st.orphans.contains_key(&name)
+                || cleared.contains(&name)
+            {
                 continue;
             }
             let orphan = Orphan {

@@ -736,3 +736,83 @@ fn renewals_keep_it_running_and_the_sandbox_enforces_the_lease_without_the_execu
     assert!(a.reason.as_deref().unwrap().contains("lease expired"));
     assert_eq!(a.cleanup, Cleanup::Released);
 }
+
+#[test]
+fn unconfirmed_cleanup_quarantines_until_the_administrator_clears_it() {
+    let s = setup();
+    let mut req = script_request(s.dir.path(), "stuck", "sleep 1; echo done");
+    let input = s.dir.path().join("data.txt");
+    std::fs::write(&input, "x").unwrap();
+    req.task.inputs.push(TaskInput::Staged(InputRef {
+        name: "data.txt".into(),
+        digest: Digest::of(b"x"),
+        size_bytes: 1,
+    }));
+    req.inputs.push(("data.txt".into(), input));
+    let a = s.ex.submit(req).unwrap();
+    let staged = s
+        .dir
+        .path()
+        .join("exec/attempts")
+        .join(&a.id)
+        .join("inputs/data.txt");
+    wait_for(|| s.ex.get(&a.id).unwrap().state == AttemptState::Running);
+    // A file that cannot be removed: the storage cannot be confirmed clean.
+    let immutable = Command::new("chattr").arg("+i").arg(&staged).status();
+    if !immutable.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: chattr +i does not work on this filesystem");
+        return;
+    }
+    let a = s.ex.wait(&a.id, Duration::from_secs(30)).unwrap();
+    let unlock = || {
+        let _ = Command::new("chattr").arg("-i").arg(&staged).status();
+    };
+    assert_eq!(a.state, AttemptState::Completed, "the outcome stands");
+    assert!(
+        matches!(&a.cleanup, Cleanup::Quarantined { why } if why.contains("storage")),
+        "{a:#?}"
+    );
+    assert!(
+        s.ex.reserved().memory_bytes > 0,
+        "quarantine keeps the capacity"
+    );
+    let refused = s.ex.clear(&a.id);
+    assert!(
+        refused.is_err(),
+        "the storage check fails while the file stays"
+    );
+    unlock();
+    s.ex.clear(&a.id).unwrap();
+    let a = s.ex.get(&a.id).unwrap();
+    assert_eq!(a.cleanup, Cleanup::Released);
+    assert_eq!(a.state, AttemptState::Completed);
+    assert_eq!(s.ex.reserved().memory_bytes, 0);
+}
+
+#[test]
+fn leftovers_without_a_record_are_unknown_until_cleared() {
+    let dir = open_dir();
+    let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+    // What an older executor might have left: an attempt directory nobody recorded.
+    let left = dir.path().join("exec/attempts/aold1234567");
+    std::fs::create_dir_all(left.join("inputs")).unwrap();
+    std::fs::write(left.join("inputs/x"), "x").unwrap();
+    let ex = open_executor(dir.path(), &store);
+    let orphans = ex.orphans();
+    assert_eq!(orphans.len(), 1, "{orphans:?}");
+    assert_eq!(orphans[0].name, "aold1234567");
+    assert!(orphans[0].found.iter().any(|f| f.contains("directory")));
+    // Still there after a restart, until cleared.
+    ex.shutdown();
+    drop(ex);
+    let ex = open_executor(dir.path(), &store);
+    assert_eq!(ex.orphans().len(), 1);
+    ex.clear("aold1234567").unwrap();
+    assert!(ex.orphans().is_empty());
+    assert!(!left.join("inputs").exists(), "storage removed");
+    assert!(ex.clear("aold1234567").is_err(), "nothing left to clear");
+    ex.shutdown();
+    drop(ex);
+    let ex = open_executor(dir.path(), &store);
+    assert!(ex.orphans().is_empty(), "cleared stays cleared");
+}
