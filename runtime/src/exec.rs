@@ -169,7 +169,7 @@ impl Executor {
     /// Opens the executor: checks that sandboxes can start here and which isolation layers
     /// actually apply (by starting one and looking at it), loads the journal, and resumes
     /// every attempt it holds (running ones are found again, or marked unknown).
-    pub fn open(cfg: ExecutorConfig, journal: Arc<dyn Journal>) -> Result<Self, ExecError> {
+    pub fn open(mut cfg: ExecutorConfig, journal: Arc<dyn Journal>) -> Result<Self, ExecError> {
         let as_root = nix::unistd::geteuid().is_root();
         fs::create_dir_all(cfg.dir.join("attempts"))
             .map_err(|e| ExecError::Unavailable(format!("{}: {e}", cfg.dir.display())))?;
@@ -178,10 +178,20 @@ impl Executor {
                 fs::set_permissions(&dir, fs::Permissions::from_mode(0o711))
                     .map_err(|e| ExecError::Unavailable(format!("{}: {e}", dir.display())))?;
             }
-            reachable(&cfg.dir, &cfg.program)?;
+            reachable(&cfg.dir)?;
+            // The sandbox uid must be able to run this binary wherever it was built or
+            // installed: a link (or copy) in the executor's directory, which also pins the
+            // version running sandboxes use.
+            cfg.program = pin_program(&cfg.program, &cfg.dir.join("bin"))?;
         }
         let name = hex_prefix(&Digest::of(cfg.dir.to_string_lossy().as_bytes()), 12);
         let cgroups = Cgroups::detect(&name);
+        if !cgroups.is_usable() {
+            return Err(ExecError::Unavailable(
+                "no usable cgroup hierarchy: a sandbox's processes could not be tracked or killed as a whole"
+                    .into(),
+            ));
+        }
         let mut cgroup_layers = Vec::new();
         if cgroups.memory() {
             cgroup_layers.push(IsolationLayer::CgroupMemory);
@@ -360,7 +370,7 @@ impl Executor {
 
     /// Moves an attempt's lease end (market renewals).
     pub fn renew(&self, id: &str, until_ms: u64) -> Result<(), ExecError> {
-        self.inner.renew(id, until_ms)
+        self.inner.renew(id, until_ms).map(|_| ())
     }
 
     /// Sets the owner's switch; `Stopped` records a stop for every active attempt first.
@@ -519,38 +529,50 @@ fn hex_prefix(d: &Digest, n: usize) -> String {
     d.to_string().chars().take(n).collect()
 }
 
-/// Every ancestor of `dir` and of `program` must let other users through, or the sandbox
-/// uid cannot reach its attempt directory or start this binary.
-fn reachable(dir: &Path, program: &Path) -> Result<(), ExecError> {
-    let blocked = |p: &Path| -> Option<String> {
-        p.ancestors().skip(1).find_map(|a| {
-            let mode = fs::metadata(a).ok()?.permissions().mode();
-            (mode & 0o001 == 0).then(|| format!("{} (mode {:o})", a.display(), mode & 0o777))
-        })
-    };
-    if let Some(b) = blocked(&dir.join("x")) {
-        return Err(ExecError::Unavailable(format!(
+/// Every ancestor of `dir` must let other users through, or the sandbox uid cannot reach
+/// its attempt directory.
+fn reachable(dir: &Path) -> Result<(), ExecError> {
+    let blocked = dir.join("x").ancestors().skip(1).find_map(|a| {
+        let mode = fs::metadata(a).ok()?.permissions().mode();
+        (mode & 0o001 == 0).then(|| format!("{} (mode {:o})", a.display(), mode & 0o777))
+    });
+    match blocked {
+        Some(b) => Err(ExecError::Unavailable(format!(
             "sandbox users cannot pass through {b} to reach {}; put the data directory where other users may traverse (chmod o+x) or choose another --data-dir",
             dir.display()
-        )));
+        ))),
+        None => Ok(()),
     }
-    if let Some(b) = blocked(program) {
-        return Err(ExecError::Unavailable(format!(
-            "sandbox users cannot pass through {b} to run {}",
-            program.display()
-        )));
+}
+
+/// Hard-links `program` into `bin` (a copy across filesystems), readable and executable
+/// by everyone, and returns the new path.
+pub fn pin_program(program: &Path, bin: &Path) -> Result<PathBuf, ExecError> {
+    let fail = |what: &str, e: std::io::Error| {
+        ExecError::Unavailable(format!(
+            "{what} {} into {}: {e}",
+            program.display(),
+            bin.display()
+        ))
+    };
+    fs::create_dir_all(bin).map_err(|e| fail("pinning", e))?;
+    fs::set_permissions(bin, fs::Permissions::from_mode(0o711)).map_err(|e| fail("pinning", e))?;
+    let target = bin.join("cannabis");
+    let tmp = bin.join(format!("cannabis.{}.tmp", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    if fs::hard_link(program, &tmp).is_err() {
+        fs::copy(program, &tmp).map_err(|e| fail("copying", e))?;
     }
-    let mode = fs::metadata(program)
-        .map_err(|e| ExecError::Unavailable(format!("{}: {e}", program.display())))?
+    let mode = fs::metadata(&tmp)
+        .map_err(|e| fail("pinning", e))?
         .permissions()
         .mode();
-    if mode & 0o001 == 0 {
-        return Err(ExecError::Unavailable(format!(
-            "{} is not executable by other users",
-            program.display()
-        )));
+    if mode & 0o005 != 0o005 {
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
+            .map_err(|e| fail("pinning", e))?;
     }
-    Ok(())
+    fs::rename(&tmp, &target).map_err(|e| fail("pinning", e))?;
+    Ok(target)
 }
 
 mod driver;
@@ -598,16 +620,18 @@ impl Inner {
         Ok(out)
     }
 
-    fn renew(&self, id: &str, until_ms: u64) -> Result<(), ExecError> {
-        self.update(id, |a| {
+    /// Moves the lease end forward (never back) in the journal, then in the lease file the
+    /// sandbox enforces. Returns the lease end in force.
+    fn renew(&self, id: &str, until_ms: u64) -> Result<u64, ExecError> {
+        let until = self.update(id, |a| {
             a.lease_until_ms = a.lease_until_ms.max(until_ms);
-            Ok(())
+            Ok(a.lease_until_ms)
         })?;
         let dir = self.attempt_dir(id);
         if dir.exists() {
-            write_lease(&dir, until_ms).map_err(|e| ExecError::Refused(e.to_string()))?;
+            write_lease(&dir, until).map_err(|e| ExecError::Refused(e.to_string()))?;
         }
-        Ok(())
+        Ok(until)
     }
 
     fn load(&self) -> Result<(), ExecError> {
@@ -939,10 +963,40 @@ impl Drop for Inner {
     }
 }
 
+/// Writes the lease file atomically. The attempt directory belongs to the sandbox uid, so
+/// nothing there is followed: the temporary file is created fresh (`O_EXCL`, no symlink)
+/// under a unique name, and `rename` replaces the entry itself.
 fn write_lease(dir: &Path, until_ms: u64) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{}.tmp", files::LEASE));
-    fs::write(&tmp, until_ms.to_string())?;
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{}.{}.{n}", files::LEASE, std::process::id()));
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    f.write_all(until_ms.to_string().as_bytes())?;
+    drop(f);
     fs::rename(&tmp, dir.join(files::LEASE))
+}
+
+/// Opens `rel` beneath the attempt directory `dir` for reading, refusing every symbolic
+/// link on the way (the directory's content belongs to the sandbox uid).
+pub(crate) fn open_beneath(dir: &Path, rel: &str) -> std::io::Result<fs::File> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    let base = fs::File::open(dir)?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        );
+    let fd = openat2(&base, rel, how).map_err(std::io::Error::from)?;
+    Ok(fs::File::from(fd))
 }
 
 fn input_name(input: &TaskInput) -> &str {

@@ -91,12 +91,12 @@ fn exec_run(
     }
     // A private executor with its own journal, in a scratch directory that sandbox users
     // can reach.
-    let scratch = std::env::temp_dir().join(format!(
-        "cannabis-exec-{}-{}",
-        std::process::id(),
-        super::now_ms()
-    ));
-    std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
+    // Created exclusively (mkdtemp): nobody can have planted it.
+    let scratch = tempfile::Builder::new()
+        .prefix("cannabis-exec-")
+        .tempdir()
+        .context("creating a scratch directory")?
+        .keep();
     let result = (|| {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o711))?;

@@ -816,3 +816,37 @@ fn leftovers_without_a_record_are_unknown_until_cleared() {
     let ex = open_executor(dir.path(), &store);
     assert!(ex.orphans().is_empty(), "cleared stays cleared");
 }
+
+#[test]
+fn outputs_cannot_take_more_disk_than_the_work_directory() {
+    let s = setup();
+    let mut req = script_request(
+        s.dir.path(),
+        "sparse",
+        "cd $CANNABIS_WORK; for f in s1 s2 s3; do truncate -s 3M $f; done; \
+         echo x > h1; ln h1 h2",
+    );
+    for name in ["s1", "s2", "s3", "h1", "h2"] {
+        req.task.outputs.push(OutputDecl {
+            name: name.into(),
+            max_bytes: 8 << 20,
+            rights: OutputRights::Exclusive,
+        });
+    }
+    let a = run(&s.ex, req);
+    let exit = a.exit.clone().unwrap();
+    let copied: Vec<&str> = exit.outputs.iter().map(|o| o.name.as_str()).collect();
+    // Sparse files cost nothing in the tmpfs but would be real bytes on the host's disk:
+    // together they get no more than the 4 MiB work directory.
+    assert_eq!(copied, ["s1"], "{exit:#?}");
+    let why = |n: &str| {
+        exit.refused_outputs
+            .iter()
+            .find(|(name, _)| name == n)
+            .map(|(_, why)| why.clone())
+            .unwrap_or_default()
+    };
+    assert!(why("s2").contains("work directory"), "{exit:#?}");
+    assert!(why("h1").contains("hard links"), "{exit:#?}");
+    assert_eq!(a.state, AttemptState::Failed);
+}

@@ -7,7 +7,7 @@ use std::path::Path;
 use cannabis_protocol::{AdapterKind, Digest, IsolationLayer};
 
 use super::attempt::{AttemptRequest, SyntheticResult};
-use crate::sandbox::paths;
+use crate::sandbox::{files, paths};
 
 /// What an adapter runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,7 +28,8 @@ pub(crate) trait Adapter: Sync {
     fn needs_bundle(&self) -> bool;
     /// The command, its working directory and its outputs.
     fn command(&self, request: &AttemptRequest) -> Result<Command, String>;
-    /// Reads the adapter's own result from the copied outputs, once the command exited 0.
+    /// Reads the adapter's own result from the copied outputs (beneath the attempt
+    /// directory `dir`), once the command exited 0.
     fn interpret(
         &self,
         request: &AttemptRequest,
@@ -185,7 +186,12 @@ impl Adapter for Synthetic {
         request: &AttemptRequest,
         outputs: &Path,
     ) -> Result<Option<SyntheticResult>, String> {
-        let text = std::fs::read_to_string(outputs.join(SYNTHETIC_RESULT))
+        // `outputs` is the attempt directory; the file is read beneath it.
+        let mut text = String::new();
+        super::open_beneath(outputs, &format!("{}/{SYNTHETIC_RESULT}", files::OUTPUTS))
+            .and_then(|f| {
+                std::io::Read::read_to_string(&mut std::io::Read::take(f, 4096), &mut text)
+            })
             .map_err(|e| format!("reading {SYNTHETIC_RESULT}: {e}"))?;
         let result: SyntheticResult = serde_json::from_str(&text)
             .map_err(|e| format!("{SYNTHETIC_RESULT} is not a synthetic result: {e}"))?;

@@ -163,7 +163,16 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         chown_tree(&dir, uid)
             .map_err(|e| format!("handing the attempt directory to uid {uid}: {e}"))?;
     }
-    write_lease(&dir, a.lease_until_ms).map_err(|e| format!("writing the lease: {e}"))?;
+    // A local run's lease starts now (staging may have taken a while); a market lease is
+    // whatever it was last renewed to.
+    let local = request.renewal == Renewal::Local;
+    let lease = if local {
+        now_ms() + inner.cfg.local_lease_ms
+    } else {
+        0
+    };
+    let until = inner.renew(&a.id, lease).map_err(|e| e.to_string())?;
+    write_lease(&dir, until).map_err(|e| format!("writing the lease: {e}"))?;
 
     let cgroup = inner
         .cgroups
@@ -247,11 +256,11 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         return Err(e.to_string());
     }
     inner.failpoint("running");
-    let mut monitor = launch.go().map_err(|e| e.to_string())?;
-    // Reap the monitor when it ends; the driver watches the cgroup and `exit.json`.
-    std::thread::spawn(move || {
-        let _ = monitor.wait();
-    });
+    // From here on the outcome is the monitor's to decide, from `exit.json` and the
+    // cgroups: a `go` that got lost is recorded there as "aborted before start".
+    if let Err(e) = launch.go() {
+        eprintln!("executor: attempt {}: starting the command: {e}", a.id);
+    }
     Ok(())
 }
 
@@ -277,6 +286,7 @@ fn monitor(inner: &Inner, a: &Attempt) -> Result<(), ExecError> {
         let lease_ms = inner.cfg.local_lease_ms;
         if a.request.renewal == Renewal::Local && a.lease_until_ms < now + lease_ms / 2 {
             inner.renew(id, now + lease_ms)?;
+            continue;
         }
         if a.cancel.is_none() && now > a.lease_until_ms {
             inner.update(id, |a| Ok(a.record_cancel(now, LEASE_EXPIRED)))?;
@@ -339,6 +349,11 @@ fn outcome(
     let Some(exit) = exit else {
         return match &a.cancel {
             Some((_, why)) => stopped(why),
+            None if oom => (
+                AttemptState::Failed,
+                Some("memory limit reached: the kernel killed the sandbox".into()),
+                None,
+            ),
             None => (
                 AttemptState::Unknown,
                 Some(format!(
@@ -401,7 +416,7 @@ fn outcome(
     }
     let interpreted = adapter::adapter(a.request.task.workload.adapter)
         .ok_or_else(|| "no adapter".to_string())
-        .and_then(|ad| ad.interpret(&a.request, &inner.attempt_dir(&a.id).join(files::OUTPUTS)));
+        .and_then(|ad| ad.interpret(&a.request, &inner.attempt_dir(&a.id)));
     match interpreted {
         Ok(result) => (AttemptState::Completed, None, result),
         Err(why) => (AttemptState::Failed, Some(why), None),
@@ -448,7 +463,10 @@ fn cleanup(inner: &Inner, a: &Attempt) -> Result<(), ExecError> {
 
 /// The last line the sandbox monitor logged, as `" (sandbox: ...)"`, or nothing.
 fn sandbox_log_tail(dir: &Path) -> String {
-    let text = fs::read_to_string(dir.join(files::SANDBOX_LOG)).unwrap_or_default();
+    let mut text = String::new();
+    if let Ok(f) = super::open_beneath(dir, files::SANDBOX_LOG) {
+        let _ = f.take(64 * 1024).read_to_string(&mut text);
+    }
     let useful = |l: &&str| !l.trim().is_empty() && !l.starts_with("note: run with");
     match text.lines().rev().find(useful) {
         Some(line) => format!(" (sandbox: {})", line.chars().take(300).collect::<String>()),
@@ -457,7 +475,12 @@ fn sandbox_log_tail(dir: &Path) -> String {
 }
 
 fn read_exit(dir: &Path) -> Option<ExitRecord> {
-    let bytes = fs::read(dir.join(files::EXIT)).ok()?;
+    let mut bytes = Vec::new();
+    super::open_beneath(dir, files::EXIT)
+        .ok()?
+        .take(1 << 20)
+        .read_to_end(&mut bytes)
+        .ok()?;
     serde_json::from_slice(&bytes).ok()
 }
 

@@ -1,9 +1,7 @@
 //! Output reads: bounded chunks at resumable offsets, from standard output, standard error
 //! or a declared output name, and nothing else.
 
-use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -77,17 +75,15 @@ pub(crate) fn read(
     offset: u64,
     max: u64,
 ) -> Result<Chunk, OutputError> {
-    let path = match name {
-        "stdout" => dir.join(files::STDOUT),
-        "stderr" => dir.join(files::STDERR),
-        _ if declared.iter().any(|d| d == name) => dir.join(files::OUTPUTS).join(name),
+    let rel = match name {
+        "stdout" => files::STDOUT.to_string(),
+        "stderr" => files::STDERR.to_string(),
+        _ if declared.iter().any(|d| d == name) => format!("{}/{name}", files::OUTPUTS),
         _ => return Err(OutputError::Undeclared(name.to_string())),
     };
     let io = |e: std::io::Error| OutputError::Io(name.to_string(), e.to_string());
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(&path);
+    // No symbolic link anywhere beneath the attempt directory is followed.
+    let file = super::open_beneath(dir, &rel);
     let mut file = match file {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

@@ -89,6 +89,12 @@ impl Cgroups {
         found
     }
 
+    /// Whether any hierarchy can hold an attempt: without one, its processes can be neither
+    /// listed nor killed together.
+    pub fn is_usable(&self) -> bool {
+        !self.v1.is_empty() || self.v2.is_some()
+    }
+
     fn has_v1(&self, controller: &str) -> bool {
         self.v1.iter().any(|(c, _)| *c == controller)
     }

@@ -37,8 +37,9 @@ pub(super) fn rlimits(limits: &Rlimits) -> R<()> {
 
 /// Landlock: read and execute beneath the system paths, the inputs and the bundle; write
 /// only beneath the work directory; no TCP; no signals or abstract sockets leaving the
-/// sandbox. Fails unless the kernel enforces all of it.
-pub(super) fn landlock(devices: &[std::path::PathBuf]) -> R<()> {
+/// sandbox. Applied as far as the kernel supports it; `true` only when the kernel enforces
+/// all of it (only then is the layer advertised).
+pub(super) fn landlock(devices: &[std::path::PathBuf]) -> R<bool> {
     let abi = ABI::V6;
     let err = |e: landlock::RulesetError| format!("landlock: {e}");
     let existing = |paths: &'static [&'static str]| {
@@ -80,13 +81,7 @@ pub(super) fn landlock(devices: &[std::path::PathBuf]) -> R<()> {
         .map_err(err)?
         .restrict_self()
         .map_err(err)?;
-    match status.ruleset {
-        RulesetStatus::FullyEnforced => Ok(()),
-        RulesetStatus::PartiallyEnforced => {
-            Err("landlock is only partly enforced by this kernel".into())
-        }
-        RulesetStatus::NotEnforced => Err("landlock is not enforced by this kernel".into()),
-    }
+    Ok(status.ruleset == RulesetStatus::FullyEnforced)
 }
 
 /// Drops every capability: bounding set first (so that running a program as uid 0 inside
@@ -174,6 +169,11 @@ const NAMESPACE_FLAGS: &[i32] = &[
 
 #[cfg(target_arch = "x86_64")]
 const ARCH: Option<seccompiler::TargetArch> = Some(seccompiler::TargetArch::x86_64);
+/// `__X32_SYSCALL_BIT`: x32 calls pass an x86-64 architecture check with this bit set.
+#[cfg(target_arch = "x86_64")]
+const X32_BIT: Option<i64> = Some(0x4000_0000);
+#[cfg(not(target_arch = "x86_64"))]
+const X32_BIT: Option<i64> = None;
 #[cfg(target_arch = "aarch64")]
 const ARCH: Option<seccompiler::TargetArch> = Some(seccompiler::TargetArch::aarch64);
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -188,6 +188,11 @@ pub(super) fn seccomp() -> R<()> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for &call in DENIED {
         rules.insert(call, Vec::new());
+        // The same calls through the x32 ABI (same architecture token, numbers with bit
+        // 30 set), where a kernel has it on.
+        if let Some(x32) = X32_BIT {
+            rules.insert(call | x32, Vec::new());
+        }
     }
     let not_unix = SeccompCondition::new(
         0,
@@ -196,10 +201,16 @@ pub(super) fn seccomp() -> R<()> {
         libc::AF_UNIX as u64,
     )
     .map_err(err)?;
-    rules.insert(
-        libc::SYS_socket,
-        vec![SeccompRule::new(vec![not_unix]).map_err(err)?],
-    );
+    for nr in [
+        Some(libc::SYS_socket),
+        X32_BIT.map(|b| libc::SYS_socket | b),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let rule = SeccompRule::new(vec![not_unix.clone()]).map_err(err)?;
+        rules.insert(nr, vec![rule]);
+    }
     let mut clone_rules = Vec::new();
     for &flag in NAMESPACE_FLAGS {
         let flag = flag as u64;
@@ -211,6 +222,9 @@ pub(super) fn seccomp() -> R<()> {
         )
         .map_err(err)?;
         clone_rules.push(SeccompRule::new(vec![cond]).map_err(err)?);
+    }
+    if let Some(x32) = X32_BIT {
+        rules.insert(libc::SYS_clone | x32, clone_rules.clone());
     }
     rules.insert(libc::SYS_clone, clone_rules);
     let main = SeccompFilter::new(

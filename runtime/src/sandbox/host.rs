@@ -34,12 +34,25 @@ pub enum LaunchError {
     Io(#[from] std::io::Error),
 }
 
-/// A started sandbox, waiting for `go`.
+/// A started sandbox, waiting for `go`. Dropping it never blocks: the monitor process is
+/// reaped by a thread of its own when it ends.
 #[derive(Debug)]
 pub struct Launch {
-    child: Child,
+    child: Option<Child>,
+    pid: u32,
     stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Launch {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if let Some(mut child) = self.child.take() {
+            std::thread::spawn(move || {
+                let _ = child.wait();
+            });
+        }
+    }
 }
 
 /// Starts stage 1 for `spec`, as host `ids` (uid, gid) when given, inside `cgroup`.
@@ -48,7 +61,17 @@ pub fn launch(
     ids: Option<(u32, u32)>,
     cgroup: &JobCgroup,
 ) -> Result<Launch, LaunchError> {
-    let log = std::fs::File::create(spec.attempt_dir.join(files::SANDBOX_LOG))?;
+    // The attempt directory belongs to the sandbox uid: never follow a link planted there.
+    let log = {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let path = spec.attempt_dir.join(files::SANDBOX_LOG);
+        let _ = std::fs::remove_file(&path);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)?
+    };
     let mut cmd = Command::new(&spec.program);
     cmd.arg(STAGE1_ARG)
         .env_clear()
@@ -89,7 +112,8 @@ pub fn launch(
         stdin.flush()?;
     }
     Ok(Launch {
-        child,
+        pid: child.id(),
+        child: Some(child),
         stdin,
         lines,
     })
@@ -98,7 +122,7 @@ pub fn launch(
 impl Launch {
     /// Host pid of the monitor (stage 1).
     pub fn monitor_pid(&self) -> u32 {
-        self.child.id()
+        self.pid
     }
 
     /// Waits for the sandbox to be set up. Returns the host pid of its pid 1 and the
@@ -124,14 +148,14 @@ impl Launch {
         }
     }
 
-    /// Lets the command start. Returns the monitor process, to be reaped.
-    pub fn go(mut self) -> Result<Child, LaunchError> {
+    /// Lets the command start.
+    pub fn go(&mut self) -> Result<(), LaunchError> {
         if let Some(mut stdin) = self.stdin.take() {
             writeln!(stdin, "go")?;
             stdin.flush()?;
         }
         match self.lines.recv_timeout(Duration::from_secs(10)) {
-            Ok(line) if line == "started" => Ok(self.child),
+            Ok(line) if line == "started" => Ok(()),
             Ok(line) => Err(LaunchError::Setup(line)),
             Err(_) => Err(LaunchError::Setup(
                 "the monitor did not confirm the start".into(),
@@ -139,9 +163,16 @@ impl Launch {
         }
     }
 
+    /// Waits for the monitor (stage 1) to end.
+    pub fn wait_exit(mut self) -> std::io::Result<()> {
+        match self.child.take() {
+            Some(mut child) => child.wait().map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
     /// Gives up before the start: the monitor sees its input close and ends the sandbox.
-    pub fn abort(mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.wait();
+    pub fn abort(self) {
+        drop(self);
     }
 }

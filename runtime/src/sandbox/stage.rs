@@ -158,21 +158,29 @@ fn monitor(
             ..ExitRecord::default()
         });
     }
+    // After unshare(CLONE_NEWPID) this process cannot start threads: one poll loop copies
+    // both logs, watches pid 1 and enforces the lease. Everything that can fail is set up
+    // before the command starts.
+    let pipes = (init.stdout.take(), init.stderr.take());
+    let (Some(out_pipe), Some(err_pipe)) = pipes else {
+        kill_init(&mut init);
+        return Err("no output pipes".into());
+    };
+    let logs = Log::new(out_pipe, stdout_file, spec.log_cap)
+        .and_then(|o| Ok([o, Log::new(err_pipe, stderr_file, spec.log_cap)?]));
+    let mut logs = match logs {
+        Ok(l) => l,
+        Err(e) => {
+            kill_init(&mut init);
+            return Err(e);
+        }
+    };
     let started_at_ms = now_ms();
     if let Err(e) = writeln!(ctl_out, "go") {
         kill_init(&mut init);
         return Err(format!("starting the command: {e}"));
     }
     let _ = writeln!(host_out, "started");
-
-    // After unshare(CLONE_NEWPID) this process cannot start threads: one poll loop copies
-    // both logs, watches pid 1 and enforces the lease.
-    let out_pipe = init.stdout.take().ok_or("no stdout pipe")?;
-    let err_pipe = init.stderr.take().ok_or("no stderr pipe")?;
-    let mut logs = [
-        Log::new(out_pipe, stdout_file, spec.log_cap)?,
-        Log::new(err_pipe, stderr_file, spec.log_cap)?,
-    ];
     let mut ended_by = None;
     let mut next_lease_check = Instant::now();
     let mut status = None;
@@ -282,9 +290,13 @@ impl Log {
         })
     }
 
-    /// Reads what is there now.
+    /// Reads what is there now, a bounded amount at a time, so that a command that keeps
+    /// the pipe full cannot keep the monitor from its other duties (the lease).
     fn drain(&mut self, buf: &mut [u8]) {
-        while self.open {
+        for _ in 0..16 {
+            if !self.open {
+                return;
+            }
             match nix::unistd::read(&self.pipe, buf) {
                 Ok(0) => self.open = false,
                 Ok(n) => {
@@ -342,12 +354,17 @@ fn copy_outputs(spec: &SandboxSpec) -> (Vec<OutputFile>, Vec<(String, String)>) 
     let out_dir = spec.attempt_dir.join(files::OUTPUTS);
     let mut copied = Vec::new();
     let mut refused = Vec::new();
+    // All outputs together get no more disk than the work directory had.
+    let mut budget = spec.work_bytes;
     for (name, cap) in &spec.outputs {
-        match copy_output(&work.join(name), &out_dir.join(name), *cap) {
-            Ok(Some(file)) => copied.push(OutputFile {
-                name: name.clone(),
-                ..file
-            }),
+        match copy_output(&work.join(name), &out_dir.join(name), (*cap).min(budget)) {
+            Ok(Some(file)) => {
+                budget = budget.saturating_sub(file.size);
+                copied.push(OutputFile {
+                    name: name.clone(),
+                    ..file
+                });
+            }
             Ok(None) => refused.push((name.clone(), "not written".into())),
             Err(why) => refused.push((name.clone(), why)),
         }
@@ -372,8 +389,14 @@ fn copy_output(from: &Path, to: &Path, cap: u64) -> R<Option<OutputFile>> {
     if !meta.file_type().is_file() {
         return Err("is not a regular file".into());
     }
+    if std::os::unix::fs::MetadataExt::nlink(&meta) > 1 {
+        return Err("has other hard links".into());
+    }
     if meta.len() > cap {
-        return Err(format!("{} bytes, over its cap of {cap}", meta.len()));
+        return Err(format!(
+            "{} bytes, over its cap of {cap} (its own, or what is left of the work directory's size)",
+            meta.len()
+        ));
     }
     let mut out = File::create(to).map_err(|e| e.to_string())?;
     let mut hasher = sha2::Sha256::new();
@@ -466,6 +489,11 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
             symlink(&target, &inside).ctx(|| format!("linking {path}"))?;
         } else {
             bind(host, &inside, true, meta.is_dir())?;
+            // A recursive bind brings the host's submounts (say a separate /usr/local)
+            // along, writable: make each of them read-only too.
+            for sub in submounts(&inside)? {
+                remount_ro(&sub)?;
+            }
         }
     }
     let etc = root.join("etc");
@@ -531,6 +559,19 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
     )?;
     bind(&spec.program, &root.join(&paths::SELF[1..]), true, false)?;
     Ok(())
+}
+
+/// Mount points strictly below `dir`, from this process's mountinfo.
+fn submounts(dir: &Path) -> R<Vec<PathBuf>> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ctx(|| "reading mountinfo".into())?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        // Octal escapes (`\\040` for a space) are left as they are: such a path does not
+        // exist and the remount reports it.
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir) && p != dir)
+        .collect())
 }
 
 fn tmpfs(at: &Path, options: &str, extra: MsFlags) -> R<()> {
@@ -685,10 +726,12 @@ fn init_setup(spec: &SandboxSpec) -> R<String> {
     std::env::set_current_dir("/").ctx(|| "chdir /".into())?;
     nix::sys::prctl::set_dumpable(false).ctx(|| "prctl(PR_SET_DUMPABLE)".into())?;
 
+    // Under memory pressure in the attempt's cgroup, the command (which inherits this)
+    // goes first, not the monitor that records what happened.
+    fs::write("/proc/self/oom_score_adj", "1000").ctx(|| "raising oom_score_adj".into())?;
     let mut layers = vec!["rlimits"];
     filter::rlimits(&spec.rlimits)?;
-    if spec.landlock {
-        filter::landlock(&spec.devices)?;
+    if spec.landlock && filter::landlock(&spec.devices)? {
         layers.push("landlock");
     }
     nix::sys::prctl::set_no_new_privs().ctx(|| "prctl(PR_SET_NO_NEW_PRIVS)".into())?;

@@ -172,11 +172,14 @@ fn sgemm(a: &[f32], b: &[f32], c: &mut [f32], n: usize, stride: isize) {
 /// The sandbox's whole life for `/bin/true`: cgroups with limits, stage 1 and 2, the root,
 /// confinement, the host's check, the run, and cleanup confirmed empty.
 fn sandbox_median(runs: u32) -> anyhow::Result<Duration> {
-    let program = std::env::current_exe()?;
-    let scratch = std::env::temp_dir().join(format!("cannabis-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch)?;
+    let scratch = tempfile::Builder::new()
+        .prefix("cannabis-bench-")
+        .tempdir()?
+        .keep();
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o711))?;
+    let program =
+        cannabis_runtime::exec::pin_program(&std::env::current_exe()?, &scratch.join("bin"))?;
     let cgroups = Cgroups::detect(&format!("bench-{}", std::process::id()));
     let root = nix::unistd::geteuid().is_root();
     let uid = if root {
@@ -255,8 +258,8 @@ fn one_run(
     let mut launch = sandbox::launch(&spec, switch.map(|u| (u, u)), &cg)?;
     let (pid, reported) = launch.wait_ready(Duration::from_secs(10))?;
     sandbox::check_running(pid, &cg, &[], &reported).map_err(|e| anyhow::anyhow!(e))?;
-    let mut monitor = launch.go()?;
-    monitor.wait()?;
+    launch.go()?;
+    launch.wait_exit()?;
     anyhow::ensure!(
         cg.kill_and_confirm(Duration::from_secs(5)),
         "the sandbox did not empty"
