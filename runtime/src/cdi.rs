@@ -80,17 +80,21 @@ pub enum CdiError {
     },
 }
 
+/// Reads and parses the pinned map.
+fn read_spec(path: &Path) -> Result<Spec, CdiError> {
+    let unusable = |reason: String| CdiError::Unusable {
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| unusable(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| unusable(format!("not a JSON CDI spec: {e}")))
+}
+
 /// Checks the pinned map at `path` against the probed GPUs. On success returns the UUIDs
 /// the map names.
 pub fn check(path: &Path, probed: &[Gpu]) -> Result<BTreeSet<String>, CdiError> {
     let shown = path.display().to_string();
-    let unusable = |reason: String| CdiError::Unusable {
-        path: shown.clone(),
-        reason,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| unusable(e.to_string()))?;
-    let spec: Spec =
-        serde_json::from_str(&text).map_err(|e| unusable(format!("not a JSON CDI spec: {e}")))?;
+    let spec = read_spec(path)?;
     if spec.kind != "nvidia.com/gpu" {
         return Err(CdiError::WrongKind {
             path: shown,
@@ -128,14 +132,11 @@ pub fn check(path: &Path, probed: &[Gpu]) -> Result<BTreeSet<String>, CdiError> 
 /// the map's common ones such as `/dev/nvidiactl` and `/dev/nvidia-uvm`), for a sandbox
 /// that was granted exactly those GPUs. A UUID the map does not name is an error.
 pub fn device_nodes(path: &Path, uuids: &[String]) -> Result<Vec<std::path::PathBuf>, CdiError> {
-    let shown = path.display().to_string();
     let unusable = |reason: String| CdiError::Unusable {
-        path: shown.clone(),
+        path: path.display().to_string(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| unusable(e.to_string()))?;
-    let spec: Spec =
-        serde_json::from_str(&text).map_err(|e| unusable(format!("not a JSON CDI spec: {e}")))?;
+    let spec = read_spec(path)?;
     let mut nodes: Vec<std::path::PathBuf> = Vec::new();
     for uuid in uuids {
         let device = spec
