@@ -150,6 +150,8 @@ struct Inner {
     cgroup_layers: Vec<IsolationLayer>,
     layers: Vec<IsolationLayer>,
     as_root: bool,
+    /// Forks every sandbox's monitor; its zygote lives as long as the executor.
+    launcher: sandbox::Launcher,
     state: Mutex<State>,
     shutdown: AtomicBool,
     pause_at: Option<String>,
@@ -207,6 +209,7 @@ impl Executor {
         } else {
             None
         };
+        let launcher = sandbox::Launcher::new(&cfg.program, &cfg.dir.join("template"));
         let mut inner = Inner {
             cfg,
             journal,
@@ -214,6 +217,7 @@ impl Executor {
             cgroup_layers,
             layers: Vec::new(),
             as_root,
+            launcher,
             state: Mutex::new(State {
                 attempts: BTreeMap::new(),
                 orphans: BTreeMap::new(),
@@ -908,7 +912,9 @@ impl Inner {
         };
         let result = (|| {
             write_lease(&dir, now_ms() + 30_000).map_err(|e| e.to_string())?;
-            let mut launch = sandbox::launch(&spec, self.as_root.then_some((uid, uid)), &cgroup)
+            let ids = self.as_root.then_some((uid, uid));
+            let mut launch = sandbox::launch(&self.launcher, &spec, ids)
+                .and_then(|starting| starting.enter(&cgroup))
                 .map_err(|e| e.to_string())?;
             let ready = launch.wait_ready(Duration::from_secs(10));
             let checked = ready
@@ -1112,6 +1118,7 @@ pub(crate) mod tests {
             cgroup_layers: Vec::new(),
             layers,
             as_root: false,
+            launcher: sandbox::Launcher::new(Path::new("/x"), Path::new("/x")),
             state: Mutex::new(State {
                 attempts: BTreeMap::new(),
                 orphans: BTreeMap::new(),

@@ -1,32 +1,37 @@
 //! The sandbox: a workload on the shared kernel, confined by the kernel.
 //!
-//! Three processes take part, all of them this binary:
+//! Four processes take part, all of them this binary:
 //!
-//! 1. The host (the executor, stage 0) creates the attempt's cgroups, starts stage 1 as the
-//!    sandbox's unprivileged host uid, puts it into the cgroups, and only then sends it the
-//!    [`SandboxSpec`] on its standard input.
-//! 2. Stage 1 (`cannabis __sandbox`, the monitor) creates new user, mount, pid, net, ipc and
-//!    uts namespaces, maps uid 0 inside to its own unprivileged uid outside, and builds the
-//!    sandbox root: a read-only tmpfs holding read-only binds of the system directories, the
-//!    staged inputs and the bundle, a size-limited tmpfs work directory, and a minimal `/dev`.
-//!    It starts stage 2, copies the workload's standard output and error into capped files,
-//!    enforces the lease file (an expired lease kills the sandbox), copies the declared
-//!    outputs out of the work directory and writes `exit.json`.
-//! 3. Stage 2 (`__sandbox-init`, pid 1 of the new pid namespace) mounts `/proc`, pivots into
-//!    the root, sets rlimits, applies Landlock, sets `no_new_privs`, drops every capability
-//!    (bounding set included) and installs the seccomp filter. It then reports ready; the
-//!    host inspects the running process (namespaces, credentials, seccomp, cgroups) and only
-//!    after that does stage 2 start the workload's command. When the workload exits, pid 1
-//!    exits and the kernel kills whatever the workload left behind in the namespace.
+//! 0. The host (the executor) creates the attempt's cgroups and asks the zygote for a
+//!    monitor, puts the monitor into the cgroups, and only then sends it the
+//!    [`SandboxSpec`] over their control socket.
+//! 1. The zygote (`cannabis __sandbox-zygote`, started once per executor, one thread) forks
+//!    each monitor and reaps it when it ends. Forking a small process is ten times cheaper
+//!    than executing this large binary again.
+//! 2. The monitor (stage 1, forked as the sandbox's unprivileged host uid) creates new user,
+//!    mount, pid, net, ipc and uts namespaces, maps uid 0 inside to its own unprivileged uid
+//!    outside, and builds the sandbox root: a read-only tmpfs holding read-only binds of the
+//!    system directories, the staged inputs and the bundle, a size-limited tmpfs work
+//!    directory, and a minimal `/dev`. It forks stage 2, copies the workload's standard
+//!    output and error into capped files, enforces the lease file (an expired lease kills
+//!    the sandbox), copies the declared outputs out of the work directory and writes
+//!    `exit.json`.
+//! 3. Stage 2 (pid 1 of the new pid namespace) mounts `/proc`, pivots into the root, sets
+//!    rlimits, applies Landlock, sets `no_new_privs`, drops every capability (bounding set
+//!    included) and installs the seccomp filter. It then reports ready; the host inspects
+//!    the running process (namespaces, credentials, seccomp, cgroups) and only after that
+//!    does stage 2 start the workload's command. When the workload exits, pid 1 exits and
+//!    the kernel kills whatever the workload left behind in the namespace.
 //!
-//! No `unsafe` and no `pre_exec`: every step is a safe system call wrapper in a process of
-//! our own, and each stage re-executes this binary.
+//! The only `unsafe` is in [`zygote`]: the `fork` of a process checked to have one thread,
+//! and adopting descriptors received over the zygote's socket. No `pre_exec`.
 
 mod cgroup;
 mod check;
 mod filter;
 mod host;
 mod stage;
+mod zygote;
 
 use std::path::PathBuf;
 
@@ -34,13 +39,12 @@ use serde::{Deserialize, Serialize};
 
 pub use cgroup::{CgroupError, CgroupLimits, Cgroups, JobCgroup};
 pub use check::{SandboxCheck, check_running};
-pub use host::{Launch, LaunchError, launch};
+pub use host::{Launch, LaunchError, Starting, launch};
 pub use stage::stage_main;
+pub use zygote::Launcher;
 
-/// The first argument that makes this binary stage 1.
-pub const STAGE1_ARG: &str = "__sandbox";
-/// The first argument that makes this binary stage 2.
-pub const STAGE2_ARG: &str = "__sandbox-init";
+/// The first argument that makes this binary the sandbox zygote.
+pub const ZYGOTE_ARG: &str = "__sandbox-zygote";
 
 /// Files stage 1 keeps in the attempt directory.
 pub mod files {
@@ -72,7 +76,7 @@ pub mod paths {
     pub const INPUTS: &str = "/inputs";
     /// The workload bundle, read-only; the command's working directory.
     pub const BUNDLE: &str = "/bundle";
-    /// This binary, read-only (stage 2 and the synthetic adapter run it).
+    /// This binary, read-only (the synthetic adapter runs it).
     pub const SELF: &str = "/.cannabis/cannabis";
     /// Readable (and executable) beneath these, under Landlock.
     pub(crate) const READ_ONLY: &[&str] = &[

@@ -284,6 +284,66 @@ fn tcp_and_udp_sockets_are_refused() {
 }
 
 #[test]
+fn the_seccomp_filter_refuses_namespaces_clone3_and_x32_but_not_fork() {
+    if !has_python() {
+        eprintln!("skipped: python3 is not installed");
+        return;
+    }
+    // Call numbers that differ between architectures are only tried on x86-64.
+    let x86_64 = if cfg!(target_arch = "x86_64") {
+        concat!(
+            "call('clone-newuser', 56, 0x10000000 | 17, 0, 0, 0, 0)\n",
+            "call('x32-getpid', 0x40000000 | 39)\n",
+        )
+    } else {
+        ""
+    };
+    let script = format!(
+        concat!(
+            "python3 - <<'EOF'\n",
+            "import ctypes, os, socket\n",
+            "libc = ctypes.CDLL(None, use_errno=True)\n",
+            "def call(name, *args):\n",
+            "    r = libc.syscall(*args)\n",
+            "    print(name, r, ctypes.get_errno() if r < 0 else 0)\n",
+            "r = libc.unshare(0x10000000)\n",
+            "print('unshare', r, ctypes.get_errno())\n",
+            "call('clone3', 435, None, 0)\n",
+            "{}",
+            "socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()\n",
+            "print('unix-socket ok')\n",
+            "pid = os.fork()\n",
+            "if pid == 0:\n",
+            "    os._exit(7)\n",
+            "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n",
+            "EOF\n",
+        ),
+        x86_64
+    );
+    let s = setup();
+    let a = run(&s.ex, script_request(s.dir.path(), "seccomp", &script));
+    let out = read_all(&s.ex, &a.id, "stdout");
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?} {out}");
+    assert!(
+        out.contains("unshare -1 1\n"),
+        "unshare must get EPERM: {out}"
+    );
+    assert!(
+        out.contains("clone3 -1 38\n"),
+        "clone3 must get ENOSYS: {out}"
+    );
+    if cfg!(target_arch = "x86_64") {
+        assert!(out.contains("clone-newuser -1 1\n"), "{out}");
+        assert!(
+            out.contains("x32-getpid -1 1\n"),
+            "x32 calls must get EPERM: {out}"
+        );
+    }
+    assert!(out.contains("unix-socket ok"), "{out}");
+    assert!(out.contains("fork 7"), "a plain fork works: {out}");
+}
+
+#[test]
 fn exceeding_memory_gets_the_command_killed() {
     if !has_python() {
         eprintln!("skipped: python3 is not installed");

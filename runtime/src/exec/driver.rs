@@ -174,18 +174,6 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
     let until = inner.renew(&a.id, lease).map_err(|e| e.to_string())?;
     write_lease(&dir, until).map_err(|e| format!("writing the lease: {e}"))?;
 
-    let cgroup = inner
-        .cgroups
-        .create(
-            &a.id,
-            &CgroupLimits {
-                memory_bytes: reservation.memory_bytes,
-                swap_bytes: reservation.swap_bytes,
-                processes: reservation.processes,
-                cpu_millicores: reservation.cpu_millicores,
-            },
-        )
-        .map_err(|e| e.to_string())?;
     let devices = if reservation.gpus.is_empty() {
         Vec::new()
     } else {
@@ -221,8 +209,23 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         program: inner.cfg.program.clone(),
         devices,
     };
-    let mut launch =
-        sandbox::launch(&spec, as_uid.map(|u| (u, u)), &cgroup).map_err(|e| e.to_string())?;
+    // The monitor sets up its namespaces while the cgroups are made; it starts nothing
+    // before it is inside them.
+    let starting = sandbox::launch(&inner.launcher, &spec, as_uid.map(|u| (u, u)))
+        .map_err(|e| e.to_string())?;
+    let cgroup = inner
+        .cgroups
+        .create(
+            &a.id,
+            &CgroupLimits {
+                memory_bytes: reservation.memory_bytes,
+                swap_bytes: reservation.swap_bytes,
+                processes: reservation.processes,
+                cpu_millicores: reservation.cpu_millicores,
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    let mut launch = starting.enter(&cgroup).map_err(|e| e.to_string())?;
     let checked = launch
         .wait_ready(Duration::from_secs(15))
         .map_err(|e| e.to_string())

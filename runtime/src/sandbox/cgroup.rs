@@ -311,7 +311,14 @@ impl JobCgroup {
 
     /// Whether no process is left (a cgroup that no longer exists is empty).
     pub fn is_empty(&self) -> bool {
-        self.pids().is_empty()
+        // A v1 `cgroup.procs` keeps listing a process that has exited until its parent
+        // reaps it; such a process runs nothing and holds nothing.
+        self.pids().into_iter().all(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'))
+            })
+        })
     }
 
     /// Kills the whole tree at once: `cgroup.kill` where the kernel has it, else freeze,
@@ -353,6 +360,9 @@ impl JobCgroup {
     /// when the cgroups were seen empty.
     pub fn kill_and_confirm(&self, within: Duration) -> bool {
         let until = Instant::now() + within;
+        // A tree that just ended is usually gone within a millisecond: look again soon,
+        // then less often.
+        let mut pause = Duration::from_micros(20);
         loop {
             if self.is_empty() {
                 return true;
@@ -361,7 +371,8 @@ impl JobCgroup {
                 return false;
             }
             self.kill();
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
         }
     }
 

@@ -37,7 +37,7 @@ pub fn check_running(
     };
     let ns_differs = |ns: &str| {
         let theirs = fs::read_link(format!("{proc_dir}/ns/{ns}")).ok();
-        let ours = fs::read_link(format!("/proc/self/ns/{ns}")).ok();
+        let ours = own_namespace(ns);
         theirs.is_some() && ours.is_some() && theirs != ours
     };
     let uid_unprivileged = field("Uid:")
@@ -110,4 +110,20 @@ pub fn check_running(
     layers.sort();
     layers.dedup();
     Ok(SandboxCheck { pid, layers })
+}
+
+/// This process's namespace link for `ns` (`user`, `mnt`, ...), read once: the host does
+/// not change namespaces.
+fn own_namespace(ns: &str) -> Option<std::path::PathBuf> {
+    use std::sync::OnceLock;
+    static OWN: OnceLock<Vec<(&'static str, Option<std::path::PathBuf>)>> = OnceLock::new();
+    OWN.get_or_init(|| {
+        ["user", "mnt", "pid", "net", "ipc", "uts"]
+            .into_iter()
+            .map(|ns| (ns, fs::read_link(format!("/proc/self/ns/{ns}")).ok()))
+            .collect()
+    })
+    .iter()
+    .find(|(name, _)| *name == ns)
+    .and_then(|(_, link)| link.clone())
 }

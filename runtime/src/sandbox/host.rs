@@ -1,19 +1,18 @@
-//! The host side of a launch: start stage 1 as the sandbox uid, put it into the attempt's
-//! cgroups, hand it the spec, and let the command start only when told.
+//! The host side of a launch: a monitor forked by the zygote as the sandbox uid, put into
+//! the attempt's cgroups, handed the spec, and let the command start only when told.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt as _;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::io::{BufRead, BufReader, Read as _, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use super::{CgroupError, JobCgroup, STAGE1_ARG, SandboxSpec, files};
+use super::{CgroupError, JobCgroup, Launcher, SandboxSpec, files};
 
 /// Why a sandbox could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
-    /// The monitor process did not start.
-    #[error("starting the sandbox monitor {program}: {source}")]
+    /// The zygote process did not start.
+    #[error("starting the sandbox zygote {program}: {source}")]
     Spawn {
         /// The program.
         program: String,
@@ -34,33 +33,29 @@ pub enum LaunchError {
     Io(#[from] std::io::Error),
 }
 
-/// A started sandbox, waiting for `go`. Dropping it never blocks: the monitor process is
-/// reaped by a thread of its own when it ends.
+/// A started sandbox, waiting for `go`. Dropping it closes the control socket: a monitor
+/// still waiting for `go` then ends the sandbox. The zygote reaps the monitor.
 #[derive(Debug)]
 pub struct Launch {
-    child: Option<Child>,
     pid: u32,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
+    control: BufReader<UnixStream>,
 }
 
-impl Drop for Launch {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        if let Some(mut child) = self.child.take() {
-            std::thread::spawn(move || {
-                let _ = child.wait();
-            });
-        }
-    }
+/// A monitor that is setting up its namespaces and waits to be put into the attempt's
+/// cgroups ([`Starting::enter`]) before it starts any process. Dropping it ends the monitor.
+#[derive(Debug)]
+pub struct Starting {
+    pid: u32,
+    control: UnixStream,
 }
 
-/// Starts stage 1 for `spec`, as host `ids` (uid, gid) when given, inside `cgroup`.
+/// Starts a monitor for `spec` through `launcher`, as host `ids` (uid, gid) when given.
+/// The caller creates the attempt's cgroups meanwhile and then calls [`Starting::enter`].
 pub fn launch(
+    launcher: &Launcher,
     spec: &SandboxSpec,
     ids: Option<(u32, u32)>,
-    cgroup: &JobCgroup,
-) -> Result<Launch, LaunchError> {
+) -> Result<Starting, LaunchError> {
     // The attempt directory belongs to the sandbox uid: never follow a link planted there.
     let log = {
         use std::os::unix::fs::OpenOptionsExt as _;
@@ -72,51 +67,26 @@ pub fn launch(
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)?
     };
-    let mut cmd = Command::new(&spec.program);
-    cmd.arg(STAGE1_ARG)
-        .env_clear()
-        .current_dir("/")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(log);
-    if let Some((uid, gid)) = ids {
-        cmd.uid(uid).gid(gid);
-    }
-    let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
-        program: spec.program.display().to_string(),
-        source,
-    })?;
-    // Stage 1 waits for the spec before doing anything, so it is inside the cgroups
-    // before it can start a single process.
-    if let Err(e) = cgroup.add(child.id()) {
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(e.into());
-    }
-    let mut stdin = child.stdin.take();
-    let stdout = child.stdout.take();
-    let (tx, lines) = mpsc::sync_channel(4);
-    if let Some(stdout) = stdout {
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-    }
+    let (ours, theirs) = UnixStream::pair()?;
+    let pid = launcher.fork_monitor(ids, &OwnedFd::from(theirs), &log)?;
+    let mut control = ours;
     let spec_line = serde_json::to_string(spec).map_err(std::io::Error::other)?;
-    if let Some(stdin) = stdin.as_mut() {
-        writeln!(stdin, "{spec_line}")?;
-        stdin.flush()?;
+    writeln!(control, "{spec_line}")?;
+    Ok(Starting { pid, control })
+}
+
+impl Starting {
+    /// Puts the monitor into `cgroup` and lets it go on: it starts pid 1 only after this.
+    /// If it cannot be put there, dropping the control socket ends it.
+    pub fn enter(self, cgroup: &JobCgroup) -> Result<Launch, LaunchError> {
+        let Self { pid, mut control } = self;
+        cgroup.add(pid)?;
+        writeln!(control, "enter")?;
+        Ok(Launch {
+            pid,
+            control: BufReader::new(control),
+        })
     }
-    Ok(Launch {
-        pid: child.id(),
-        child: Some(child),
-        stdin,
-        lines,
-    })
 }
 
 impl Launch {
@@ -125,53 +95,66 @@ impl Launch {
         self.pid
     }
 
+    fn read_line(&mut self, timeout: Option<Duration>) -> Result<Option<String>, LaunchError> {
+        self.control.get_ref().set_read_timeout(timeout)?;
+        let mut line = String::new();
+        match self.control.read_line(&mut line) {
+            Ok(0) => Ok(None),
+            Ok(_) => Ok(Some(line.trim_end().to_string())),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(LaunchError::Timeout(timeout.unwrap_or_default()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Waits for the sandbox to be set up. Returns the host pid of its pid 1 and the
     /// layers pid 1 says it applied.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<(u32, String), LaunchError> {
-        match self.lines.recv_timeout(timeout) {
-            Ok(line) => {
-                if let Some(rest) = line.strip_prefix("ready ") {
-                    let (pid, layers) = rest.split_once(' ').unwrap_or((rest, ""));
-                    let pid = pid
-                        .parse()
-                        .map_err(|_| LaunchError::Setup(format!("bad ready line {line:?}")))?;
-                    Ok((pid, layers.to_string()))
-                } else {
-                    let why = line.strip_prefix("error ").unwrap_or(&line);
-                    Err(LaunchError::Setup(why.to_string()))
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(LaunchError::Timeout(timeout)),
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(LaunchError::Setup(
+        let Some(line) = self.read_line(Some(timeout))? else {
+            return Err(LaunchError::Setup(
                 "the monitor exited during set-up (see sandbox.log)".into(),
-            )),
+            ));
+        };
+        if let Some(rest) = line.strip_prefix("ready ") {
+            let (pid, layers) = rest.split_once(' ').unwrap_or((rest, ""));
+            let pid = pid
+                .parse()
+                .map_err(|_| LaunchError::Setup(format!("bad ready line {line:?}")))?;
+            Ok((pid, layers.to_string()))
+        } else {
+            let why = line.strip_prefix("error ").unwrap_or(&line);
+            Err(LaunchError::Setup(why.to_string()))
         }
     }
 
     /// Lets the command start.
     pub fn go(&mut self) -> Result<(), LaunchError> {
-        if let Some(mut stdin) = self.stdin.take() {
-            writeln!(stdin, "go")?;
-            stdin.flush()?;
-        }
-        match self.lines.recv_timeout(Duration::from_secs(10)) {
-            Ok(line) if line == "started" => Ok(()),
-            Ok(line) => Err(LaunchError::Setup(line)),
-            Err(_) => Err(LaunchError::Setup(
+        writeln!(self.control.get_mut(), "go")?;
+        match self.read_line(Some(Duration::from_secs(10))) {
+            Ok(Some(line)) if line == "started" => Ok(()),
+            Ok(Some(line)) => Err(LaunchError::Setup(line)),
+            Ok(None) | Err(_) => Err(LaunchError::Setup(
                 "the monitor did not confirm the start".into(),
             )),
         }
     }
 
-    /// Waits for the monitor (stage 1) to end.
+    /// Waits for the monitor (stage 1) to end: it holds the other end of the control
+    /// socket until it exits, after writing `exit.json`.
     pub fn wait_exit(mut self) -> std::io::Result<()> {
-        match self.child.take() {
-            Some(mut child) => child.wait().map(|_| ()),
-            None => Ok(()),
-        }
+        self.control.get_ref().set_read_timeout(None)?;
+        let mut rest = Vec::new();
+        self.control.read_to_end(&mut rest).map(|_| ())
     }
 
-    /// Gives up before the start: the monitor sees its input close and ends the sandbox.
+    /// Gives up before the start: the monitor sees its control socket close and ends the
+    /// sandbox.
     pub fn abort(self) {
         drop(self);
     }

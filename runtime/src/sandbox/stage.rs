@@ -1,38 +1,37 @@
-//! Stage 1 (the monitor) and stage 2 (pid 1 of the sandbox). Both run in a fresh process of
-//! this binary, single-threaded until they say otherwise: `unshare(CLONE_NEWUSER)` refuses a
-//! process with threads.
+//! Stage 1 (the monitor) and stage 2 (pid 1 of the sandbox). Both are forked from the
+//! zygote, one thread each for their whole lives: `unshare(CLONE_NEWUSER)` refuses a process
+//! with threads, and so does our `fork`.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::fd::AsFd;
-use std::os::unix::fs::{OpenOptionsExt, symlink};
+use std::os::fd::{AsFd, AsRawFd as _, BorrowedFd, OwnedFd};
+use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use nix::sched::{CloneFlags, unshare};
+use nix::sys::signal::{Signal, kill};
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use nix::sys::statvfs::{FsFlags, statvfs};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{Pid, pivot_root, sethostname};
 use sha2::Digest as _;
 
+use super::zygote::{Forked, fork_single_threaded, receive, send_with_fds};
 use super::{
-    ExitRecord, LogCount, OutputFile, STAGE1_ARG, STAGE2_ARG, SandboxSpec, files, filter, now_ms,
-    paths,
+    ExitRecord, LogCount, OutputFile, SandboxSpec, ZYGOTE_ARG, files, filter, now_ms, paths,
 };
 
-/// Runs a sandbox stage if this process was started as one and returns its exit code;
+/// Runs the sandbox zygote if this process was started as one and returns its exit code;
 /// `None` for every other command line. Call it first thing in `main`, before any thread
-/// starts.
+/// starts: the zygote forks, and must have one thread to do so.
 pub fn stage_main() -> Option<i32> {
     let arg = std::env::args_os().nth(1)?;
-    if arg == STAGE1_ARG {
-        Some(stage1())
-    } else if arg == STAGE2_ARG {
-        Some(stage2())
+    if arg == ZYGOTE_ARG {
+        Some(super::zygote::zygote_main())
     } else {
         None
     }
@@ -52,8 +51,17 @@ impl<T, E: std::fmt::Display> Ctx<T> for Result<T, E> {
 
 // ---------------------------------------------------------------- stage 1
 
-fn stage1() -> i32 {
-    let mut host_in = BufReader::new(io::stdin());
+/// The monitor, forked by the zygote and already running as the sandbox uid; `host` is its
+/// control socket to the host. Returns the process's exit code.
+pub(super) fn monitor_main(host: UnixStream) -> i32 {
+    let mut host_out = match host.try_clone() {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("sandbox: control socket: {e}");
+            return 2;
+        }
+    };
+    let mut host_in = BufReader::new(host);
     let mut line = String::new();
     // Blocks until the host has put this process into the attempt's cgroups.
     if host_in.read_line(&mut line).is_err() || line.is_empty() {
@@ -67,7 +75,6 @@ fn stage1() -> i32 {
             return 2;
         }
     };
-    let mut host_out = io::stdout();
     let record = match monitor(&spec, &mut host_in, &mut host_out) {
         Ok(record) => record,
         Err(e) => {
@@ -90,118 +97,156 @@ fn stage1() -> i32 {
 
 fn monitor(
     spec: &SandboxSpec,
-    host_in: &mut impl BufRead,
-    host_out: &mut impl Write,
+    host_in: &mut BufReader<UnixStream>,
+    host_out: &mut UnixStream,
 ) -> R<ExitRecord> {
     let dir = &spec.attempt_dir;
     let stdout_file = File::create(dir.join(files::STDOUT)).ctx(|| "creating stdout".into())?;
     let stderr_file = File::create(dir.join(files::STDERR)).ctx(|| "creating stderr".into())?;
     let (uid, gid) = (nix::unistd::geteuid(), nix::unistd::getegid());
+    // Nothing starts before the host has put this process into the attempt's cgroups (the
+    // host makes them while this process starts). Moving a process between cgroups waits
+    // for the kernel's other CPUs; done before the namespaces, it is not kept waiting.
+    let mut enter = String::new();
+    let _ = host_in.read_line(&mut enter);
+    if enter.trim_end() != "enter" {
+        return Ok(ExitRecord {
+            ended_by: Some("aborted before start".into()),
+            ..ExitRecord::default()
+        });
+    }
 
+    // The monitor keeps the host's view of the filesystem: the mount namespace is pid 1's
+    // alone, so that nothing is mounted twice and nothing is left to unmount here. The
+    // network namespace, the costliest to make, is made after pid 1 is forked, while pid 1
+    // builds its root; pid 1 joins it before it confines itself.
     unshare(
         CloneFlags::CLONE_NEWUSER
-            | CloneFlags::CLONE_NEWNS
             | CloneFlags::CLONE_NEWPID
-            | CloneFlags::CLONE_NEWNET
             | CloneFlags::CLONE_NEWIPC
             | CloneFlags::CLONE_NEWUTS,
     )
-    .ctx(|| "unshare (user, mount, pid, net, ipc, uts)".into())?;
+    .ctx(|| "unshare (user, pid, ipc, uts)".into())?;
     fs::write("/proc/self/setgroups", "deny").ctx(|| "writing setgroups".into())?;
     fs::write("/proc/self/uid_map", format!("0 {uid} 1")).ctx(|| "writing uid_map".into())?;
     fs::write("/proc/self/gid_map", format!("0 {gid} 1")).ctx(|| "writing gid_map".into())?;
     sethostname("cannabis").ctx(|| "sethostname".into())?;
-    build_root(spec)?;
 
-    // Stage 2 becomes pid 1 of the new pid namespace. Its standard input is a socket pair
-    // for control ("spec", "ready", "go", "exit"); its output goes through pipes we cap.
-    let (ours, theirs) = UnixStream::pair().ctx(|| "socketpair".into())?;
-    let mut init = Command::new(&spec.program)
-        .arg0("cannabis")
-        .arg(STAGE2_ARG)
-        .env_clear()
-        .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .ctx(|| format!("starting {}", spec.program.display()))?;
-    let kill_init = |init: &mut Child| {
-        let _ = init.kill();
-        let _ = init.wait();
+    // Stage 2 becomes pid 1 of the new pid namespace: the first child forked after
+    // `unshare(CLONE_NEWPID)`. A sequenced-packet socket pair carries control ("ready"
+    // with the work directory attached, "go", "exit"); the command's output goes through
+    // pipes we cap.
+    let (ours, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .ctx(|| "socketpair".into())?;
+    let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
+    let (out_read, out_write) = nix::unistd::pipe2(cloexec).ctx(|| "pipe".into())?;
+    let (err_read, err_write) = nix::unistd::pipe2(cloexec).ctx(|| "pipe".into())?;
+    let cpus = nix::sched::sched_getaffinity(Pid::from_raw(0)).ok();
+    let init = match fork_single_threaded()? {
+        Forked::Child => {
+            // Pid 1 keeps none of the monitor's descriptors. They are all close-on-exec
+            // (the command never sees them); closing them here keeps pid 1 from holding
+            // the host's socket and the log files for its whole life. This process ends in
+            // `exit`, so the monitor's own handles to them are never dropped a second time.
+            drop((ours, out_read, err_read, stdout_file, stderr_file));
+            let _ = nix::unistd::close(host_out.as_raw_fd());
+            let _ = nix::unistd::close(host_in.get_ref().as_raw_fd());
+            std::process::exit(init_main(spec, theirs, out_write, err_write, cpus));
+        }
+        Forked::Parent(pid) => pid,
     };
-    let mut ctl_out = ours.try_clone().ctx(|| "socket".into())?;
-    let mut ctl_in = BufReader::new(ours);
-    let spec_line = serde_json::to_string(spec).ctx(|| "spec".into())?;
-    if let Err(e) = writeln!(ctl_out, "{spec_line}") {
-        kill_init(&mut init);
-        return Err(format!("sending the spec to pid 1: {e}"));
+    drop((theirs, out_write, err_write));
+    let kill_init = |init: Pid| {
+        let _ = kill(init, Signal::SIGKILL);
+        let _ = wait_for(init);
+    };
+    // A new process starts on its parent's CPU, and would wait there while this one spends
+    // half a millisecond in the kernel on the namespace: send pid 1 to another CPU. It takes
+    // back every CPU it had when it receives the namespace (only after this call).
+    if let Some(cpus) = &cpus {
+        move_off_this_cpu(init, cpus);
     }
-    let mut reply = String::new();
-    let _ = ctl_in.read_line(&mut reply);
-    let Some(ready) = reply.trim_end().strip_prefix("ready ") else {
-        kill_init(&mut init);
-        let why = reply
-            .trim_end()
-            .strip_prefix("error ")
-            .unwrap_or("pid 1 exited");
+    let net = unshare(CloneFlags::CLONE_NEWNET)
+        .ctx(|| "unshare (net)".into())
+        .and_then(|()| {
+            nix::fcntl::open(
+                "/proc/self/ns/net",
+                nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            )
+            .ctx(|| "opening the network namespace".into())
+        })
+        .and_then(|net| {
+            send_with_fds(ours.as_fd(), b"net", &[net.as_raw_fd()])
+                .ctx(|| "handing pid 1 its network namespace".into())
+        });
+    if let Err(e) = net {
+        kill_init(init);
+        return Err(e);
+    }
+    let mut buf = vec![0u8; 4096];
+    let (n, mut fds) = receive(ours.as_fd(), &mut buf).unwrap_or((0, Vec::new()));
+    let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
+    let (Some(ready), Some(work)) = (reply.strip_prefix("ready "), fds.pop()) else {
+        kill_init(init);
+        let why = reply.strip_prefix("error ").unwrap_or("pid 1 exited");
         return Err(format!("sandbox init: {why}"));
     };
     // The host inspects the running pid 1 before it lets the command start.
-    writeln!(host_out, "ready {} {ready}", init.id()).ctx(|| "reporting ready".into())?;
+    writeln!(host_out, "ready {init} {ready}").ctx(|| "reporting ready".into())?;
     host_out.flush().ctx(|| "reporting ready".into())?;
     let mut go = String::new();
     let _ = host_in.read_line(&mut go);
     if go.trim_end() != "go" {
-        kill_init(&mut init);
+        kill_init(init);
         return Ok(ExitRecord {
             ended_by: Some("aborted before start".into()),
             ..ExitRecord::default()
         });
     }
     // After unshare(CLONE_NEWPID) this process cannot start threads: one poll loop copies
-    // both logs, watches pid 1 and enforces the lease. Everything that can fail is set up
-    // before the command starts.
-    let pipes = (init.stdout.take(), init.stderr.take());
-    let (Some(out_pipe), Some(err_pipe)) = pipes else {
-        kill_init(&mut init);
-        return Err("no output pipes".into());
-    };
-    let logs = Log::new(out_pipe, stdout_file, spec.log_cap)
-        .and_then(|o| Ok([o, Log::new(err_pipe, stderr_file, spec.log_cap)?]));
+    // both logs, hears pid 1's report and enforces the lease. Everything that can fail is
+    // set up before the command starts.
+    let logs = Log::new(out_read, stdout_file, spec.log_cap)
+        .and_then(|o| Ok([o, Log::new(err_read, stderr_file, spec.log_cap)?]));
     let mut logs = match logs {
         Ok(l) => l,
         Err(e) => {
-            kill_init(&mut init);
+            kill_init(init);
             return Err(e);
         }
     };
     let started_at_ms = now_ms();
-    if let Err(e) = writeln!(ctl_out, "go") {
-        kill_init(&mut init);
+    if let Err(e) = send_with_fds(ours.as_fd(), b"go", &[]) {
+        kill_init(init);
         return Err(format!("starting the command: {e}"));
     }
     let _ = writeln!(host_out, "started");
     let mut ended_by = None;
     let mut next_lease_check = Instant::now();
+    let mut report: Option<String> = None;
     let mut status = None;
     let mut drain_until: Option<Instant> = None;
     loop {
-        poll_logs(&mut logs);
-        if status.is_none() {
-            match init.try_wait() {
-                Ok(Some(s)) => status = Some(s),
-                Ok(None) => {}
-                Err(e) => {
-                    ended_by = Some(format!("waiting for pid 1: {e}"));
-                    let _ = init.kill();
-                    break;
-                }
-            }
-        }
-        if status.is_some() {
+        let now = Instant::now();
+        let wake = drain_until.unwrap_or(next_lease_check);
+        let listen = report.is_none().then(|| ours.as_fd());
+        let reported = poll_io(&mut logs, listen, wake.saturating_duration_since(now));
+        if reported {
+            // Pid 1 sends its report and ends; or the socket closed because it ended.
+            let n = receive(ours.as_fd(), &mut buf).map_or(0, |(n, _)| n);
+            report = Some(String::from_utf8_lossy(&buf[..n]).into_owned());
+            status = wait_for(init);
             // Everything in the namespace dies with pid 1, so the pipes close; read what
             // is left, for a bounded time.
-            let until = *drain_until.get_or_insert_with(|| Instant::now() + Duration::from_secs(2));
+            drain_until = Some(Instant::now() + Duration::from_secs(2));
+        }
+        if let Some(until) = drain_until {
             if logs.iter().all(|l| !l.open) || Instant::now() >= until {
                 break;
             }
@@ -211,15 +256,14 @@ fn monitor(
             next_lease_check = Instant::now() + Duration::from_millis(200);
             if lease_expired(dir) && ended_by.is_none() {
                 ended_by = Some("lease expired".into());
-                let _ = init.kill();
+                let _ = kill(init, Signal::SIGKILL);
             }
         }
     }
     let [stdout, stderr] = logs.map(Log::finish);
     let ended_at_ms = now_ms();
     // Pid 1 reports how the command ended; its own status says whether it was killed.
-    let mut report = String::new();
-    let _ = ctl_in.read_line(&mut report);
+    let report = report.unwrap_or_default();
     let (mut code, mut signal) = (None, None);
     if let Some(rest) = report.trim_end().strip_prefix("exit ") {
         let mut it = rest.split_whitespace();
@@ -229,8 +273,9 @@ fn monitor(
             _ => {}
         }
     } else if let Some(status) = status {
-        use std::os::unix::process::ExitStatusExt as _;
-        signal = status.signal();
+        if let WaitStatus::Signaled(_, sig, _) = status {
+            signal = Some(sig as i32);
+        }
         if signal.is_none() && ended_by.is_none() {
             ended_by = Some(match report.trim_end().strip_prefix("error ") {
                 Some(e) => format!("the command could not start: {e}"),
@@ -238,7 +283,7 @@ fn monitor(
             });
         }
     }
-    let (outputs, refused_outputs) = copy_outputs(spec);
+    let (outputs, refused_outputs) = copy_outputs(spec, &work);
     Ok(ExitRecord {
         started: true,
         code,
@@ -320,24 +365,34 @@ impl Log {
     }
 }
 
-/// Waits up to 20 ms for output on the open logs and copies what came.
-fn poll_logs(logs: &mut [Log; 2]) {
+/// Waits up to `timeout` for output on the open logs or for a message on `control`, and
+/// copies the output that came. Returns whether `control` has something to read (or
+/// closed).
+fn poll_io(logs: &mut [Log; 2], control: Option<BorrowedFd<'_>>, timeout: Duration) -> bool {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     let mut buf = vec![0u8; 64 * 1024];
-    let ready: Vec<bool> = {
+    let millis = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
+    let (ready, control_ready) = {
         let mut fds: Vec<PollFd<'_>> = logs
             .iter()
             .filter(|l| l.open)
             .map(|l| PollFd::new(l.pipe.as_fd(), PollFlags::POLLIN))
             .collect();
-        if fds.is_empty() {
-            std::thread::sleep(Duration::from_millis(20));
-            return;
+        let logs_open = fds.len();
+        if let Some(c) = control {
+            fds.push(PollFd::new(c, PollFlags::POLLIN));
         }
-        let _ = poll(&mut fds, PollTimeout::from(20u8));
-        fds.iter()
+        if fds.is_empty() {
+            std::thread::sleep(Duration::from_millis(u64::from(millis)));
+            return false;
+        }
+        let _ = poll(&mut fds, PollTimeout::from(millis));
+        let ready: Vec<bool> = fds
+            .iter()
             .map(|f| f.revents().is_some_and(|r| !r.is_empty()))
-            .collect()
+            .collect();
+        let control_ready = control.is_some() && ready.get(logs_open).copied().unwrap_or(false);
+        (ready, control_ready)
     };
     let mut it = ready.into_iter();
     for log in logs.iter_mut().filter(|l| l.open) {
@@ -345,19 +400,46 @@ fn poll_logs(logs: &mut [Log; 2]) {
             log.drain(&mut buf);
         }
     }
+    control_ready
+}
+
+/// Moves `pid` (just forked, allowed `cpus`) off the CPU this process runs on, when it has
+/// another: a placement for its first milliseconds, best effort.
+fn move_off_this_cpu(pid: Pid, cpus: &nix::sched::CpuSet) {
+    let Ok(here) = nix::sched::sched_getcpu() else {
+        return;
+    };
+    let mut others = *cpus;
+    if others.unset(here).is_err() {
+        return;
+    }
+    let any_other = (0..nix::sched::CpuSet::count()).any(|cpu| others.is_set(cpu).unwrap_or(false));
+    if any_other {
+        let _ = nix::sched::sched_setaffinity(pid, &others);
+    }
+}
+
+/// Waits for `pid` (a child of this process) to end.
+fn wait_for(pid: Pid) -> Option<WaitStatus> {
+    loop {
+        match waitpid(pid, None) {
+            Err(nix::errno::Errno::EINTR) => {}
+            Ok(WaitStatus::StillAlive) => {}
+            other => return other.ok(),
+        }
+    }
 }
 
 /// Copies each declared output out of the work directory: a regular file (no symlink, no
 /// device, no fifo) no larger than its cap.
-fn copy_outputs(spec: &SandboxSpec) -> (Vec<OutputFile>, Vec<(String, String)>) {
-    let work = spec.attempt_dir.join(files::ROOT).join("work");
+fn copy_outputs(spec: &SandboxSpec, work: &OwnedFd) -> (Vec<OutputFile>, Vec<(String, String)>) {
     let out_dir = spec.attempt_dir.join(files::OUTPUTS);
     let mut copied = Vec::new();
     let mut refused = Vec::new();
     // All outputs together get no more disk than the work directory had.
     let mut budget = spec.work_bytes;
     for (name, cap) in &spec.outputs {
-        match copy_output(&work.join(name), &out_dir.join(name), (*cap).min(budget)) {
+        match copy_output(work, name, &out_dir.join(name), (*cap).min(budget)) {
             Ok(Some(file)) => {
                 budget = budget.saturating_sub(file.size);
                 copied.push(OutputFile {
@@ -372,17 +454,20 @@ fn copy_outputs(spec: &SandboxSpec) -> (Vec<OutputFile>, Vec<(String, String)>) 
     (copied, refused)
 }
 
-fn copy_output(from: &Path, to: &Path, cap: u64) -> R<Option<OutputFile>> {
-    let file = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(from)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err("is a symbolic link".into());
-        }
+fn copy_output(work: &OwnedFd, name: &str, to: &Path, cap: u64) -> R<Option<OutputFile>> {
+    use nix::fcntl::OFlag;
+    if name.contains('/') || name == ".." || name == "." {
+        return Err("is not a plain file name".into());
+    }
+    let file = match nix::fcntl::openat(
+        work,
+        name,
+        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    ) {
+        Ok(fd) => File::from(fd),
+        Err(nix::errno::Errno::ENOENT) => return Ok(None),
+        Err(nix::errno::Errno::ELOOP) => return Err("is a symbolic link".into()),
         Err(e) => return Err(e.to_string()),
     };
     let meta = file.metadata().map_err(|e| e.to_string())?;
@@ -455,6 +540,8 @@ const SYSTEM: &[&str] = &[
 
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
 
+/// The root a sandbox's pid 1 enters, at `<attempt>/root`, in its own mount namespace:
+/// the template's copy when the zygote made one for this program, else built here.
 fn build_root(spec: &SandboxSpec) -> R<()> {
     let root = spec.attempt_dir.join(files::ROOT);
     mount(
@@ -465,7 +552,56 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
         None::<&str>,
     )
     .ctx(|| "making / private".into())?;
-    tmpfs(&root, "size=4m,mode=0755", MsFlags::empty())?;
+    match TEMPLATE.get() {
+        // One recursive bind instead of some twenty mounts. The copies are locked: made
+        // in a more privileged namespace, their read-only flags cannot be lifted here.
+        Some((template, program)) if *program == spec.program => {
+            mount(
+                Some(template.as_path()),
+                &root,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .ctx(|| format!("binding the root template {}", template.display()))?;
+        }
+        _ => build_base(&root, &spec.program)?,
+    }
+    attach_attempt(spec, &root)
+}
+
+/// The template root (see [`build_base`]), made once by the zygote in its own mount
+/// namespace, with the program it holds.
+static TEMPLATE: std::sync::OnceLock<(PathBuf, PathBuf)> = std::sync::OnceLock::new();
+
+/// In the zygote (root, before it forks anything): a mount namespace of its own (a slave of
+/// the host's, so that later host mounts still show), and in it, on `at`, the part of every
+/// sandbox's root that is the same for all of them, read-only. Every monitor it forks
+/// inherits this namespace; each pid 1 binds the template onto its root. On failure the
+/// sandboxes build their roots themselves.
+pub(super) fn make_template(at: &Path) -> R<()> {
+    let program = std::env::current_exe().ctx(|| "finding this program".into())?;
+    unshare(CloneFlags::CLONE_NEWNS).ctx(|| "unshare (mount)".into())?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        None::<&str>,
+    )
+    .ctx(|| "making / a slave".into())?;
+    fs::create_dir_all(at).ctx(|| format!("creating {}", at.display()))?;
+    build_base(at, &program)?;
+    remount_ro(at)?;
+    let _ = TEMPLATE.set((at.to_path_buf(), program));
+    Ok(())
+}
+
+/// The part of a root that is the same in every sandbox: a tmpfs with the mount points,
+/// read-only binds of the system directories, a few `/etc` files, a minimal `/dev`, and
+/// this program. Read-write until the caller remounts it.
+fn build_base(root: &Path, program: &Path) -> R<()> {
+    tmpfs(root, "size=4m,mode=0755", MsFlags::empty())?;
     for dir in [
         "proc",
         "dev",
@@ -478,6 +614,8 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
     ] {
         fs::create_dir_all(root.join(dir)).ctx(|| format!("creating /{dir}"))?;
     }
+    // One look at the host's mounts: which of them lie below the system directories.
+    let host_mounts = mount_points()?;
     for path in SYSTEM {
         let host = Path::new(path);
         let Ok(meta) = fs::symlink_metadata(host) else {
@@ -491,8 +629,13 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
             bind(host, &inside, true, meta.is_dir())?;
             // A recursive bind brings the host's submounts (say a separate /usr/local)
             // along, writable: make each of them read-only too.
-            for sub in submounts(&inside)? {
-                remount_ro(&sub)?;
+            for sub in host_mounts
+                .iter()
+                .filter(|m| m.starts_with(host) && *m != host)
+            {
+                if let Ok(rest) = sub.strip_prefix("/") {
+                    remount_ro(&root.join(rest))?;
+                }
             }
         }
     }
@@ -505,17 +648,21 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
     ] {
         fs::write(etc.join(name), text).ctx(|| format!("writing /etc/{name}"))?;
     }
+    build_dev(&root.join("dev"), &[])?;
+    bind(program, &root.join(&paths::SELF[1..]), true, false)
+}
 
-    // /dev: a few harmless devices, the granted GPUs, and the usual links.
-    let dev = root.join("dev");
-    tmpfs(&dev, "size=64k,mode=0755", MsFlags::MS_NOEXEC)?;
+/// `/dev`: a few harmless devices, `devices` (granted GPUs), the usual links, and the
+/// mount point of `/dev/shm`; read-only.
+fn build_dev(dev: &Path, devices: &[PathBuf]) -> R<()> {
+    tmpfs(dev, "size=64k,mode=0755", MsFlags::MS_NOEXEC)?;
     for name in DEVICES {
         let host = Path::new("/dev").join(name);
         if host.exists() {
             bind(&host, &dev.join(name), false, false)?;
         }
     }
-    for device in &spec.devices {
+    for device in devices {
         let rel = device
             .strip_prefix("/dev")
             .map_err(|_| format!("device {} is not under /dev", device.display()))?;
@@ -530,21 +677,28 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
         symlink(target, dev.join(name)).ctx(|| format!("linking /dev/{name}"))?;
     }
     fs::create_dir(dev.join("shm")).ctx(|| "creating /dev/shm".into())?;
+    remount_ro(dev)
+}
+
+/// What is the attempt's own in its root: the granted GPUs (a `/dev` of its own), a
+/// bounded `/dev/shm`, the one writable directory (bounded in size; `/tmp` lives inside
+/// it), and the staged inputs and bundle, read-only.
+fn attach_attempt(spec: &SandboxSpec, root: &Path) -> R<()> {
+    let dev = root.join("dev");
+    if !spec.devices.is_empty() {
+        build_dev(&dev, &spec.devices)?;
+    }
     let shm = spec.work_bytes.clamp(4096, 64 << 20);
     tmpfs(
         &dev.join("shm"),
         &format!("size={shm},mode=0755"),
         MsFlags::MS_NOEXEC,
     )?;
-    remount_ro(&dev)?;
-
-    // The one writable directory, bounded in size; /tmp lives inside it.
     let work = root.join("work");
     let size = spec.work_bytes.max(4096);
     tmpfs(&work, &format!("size={size},mode=0755"), MsFlags::empty())?;
     fs::create_dir(work.join(".tmp")).ctx(|| "creating /work/.tmp".into())?;
     bind(&work.join(".tmp"), &root.join("tmp"), false, true)?;
-
     bind(
         &spec.attempt_dir.join(files::INPUTS),
         &root.join("inputs"),
@@ -556,13 +710,11 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
         &root.join("bundle"),
         true,
         true,
-    )?;
-    bind(&spec.program, &root.join(&paths::SELF[1..]), true, false)?;
-    Ok(())
+    )
 }
 
-/// Mount points strictly below `dir`, from this process's mountinfo.
-fn submounts(dir: &Path) -> R<Vec<PathBuf>> {
+/// Every mount point this process sees, from its mountinfo.
+fn mount_points() -> R<Vec<PathBuf>> {
     let text = fs::read_to_string("/proc/self/mountinfo").ctx(|| "reading mountinfo".into())?;
     Ok(text
         .lines()
@@ -570,7 +722,6 @@ fn submounts(dir: &Path) -> R<Vec<PathBuf>> {
         // Octal escapes (`\\040` for a space) are left as they are: such a path does not
         // exist and the remount reports it.
         .map(PathBuf::from)
-        .filter(|p| p.starts_with(dir) && p != dir)
         .collect())
 }
 
@@ -631,46 +782,42 @@ fn remount_ro(at: &Path) -> R<()> {
 
 // ---------------------------------------------------------------- stage 2
 
-fn stage2() -> i32 {
+/// Pid 1 of the sandbox, forked by the monitor: builds the root in a mount namespace of
+/// its own, confines itself, reports ready (handing the monitor the work directory, from
+/// which it copies the declared outputs afterwards), and runs the command when told.
+/// Returns the process's exit code.
+fn init_main(
+    spec: &SandboxSpec,
+    control: OwnedFd,
+    out: OwnedFd,
+    err: OwnedFd,
+    cpus: Option<nix::sched::CpuSet>,
+) -> i32 {
     // If the monitor dies, so does the sandbox: nobody would enforce its lease.
-    if nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).is_err() {
+    if nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err() {
         return 2;
     }
-    let Ok(fd) = io::stdin().as_fd().try_clone_to_owned() else {
-        return 2;
-    };
-    let ctl = UnixStream::from(fd);
-    let Ok(mut ctl_out) = ctl.try_clone() else {
-        return 2;
-    };
-    let mut ctl_in = BufReader::new(ctl);
-    let mut line = String::new();
-    if ctl_in.read_line(&mut line).is_err() {
-        return 2;
-    }
-    let spec: SandboxSpec = match serde_json::from_str(&line) {
-        Ok(s) => s,
+
+    let say = |msg: &str| send_with_fds(control.as_fd(), msg.as_bytes(), &[]);
+    let (layers, work) = match init_setup(spec, &control, cpus.as_ref()) {
+        Ok(done) => done,
         Err(e) => {
-            let _ = writeln!(ctl_out, "error bad spec: {e}");
+            let _ = say(&format!("error {e}"));
             return 2;
         }
     };
-    let layers = match init_setup(&spec) {
-        Ok(layers) => layers,
-        Err(e) => {
-            let _ = writeln!(ctl_out, "error {e}");
-            return 2;
-        }
-    };
-    if writeln!(ctl_out, "ready {layers}").is_err() {
+    let ready = format!("ready {layers}");
+    if send_with_fds(control.as_fd(), ready.as_bytes(), &[work.as_raw_fd()]).is_err() {
         return 2;
     }
-    let mut go = String::new();
-    if ctl_in.read_line(&mut go).is_err() || go.trim_end() != "go" {
-        return 3;
+    drop(work);
+    let mut go = [0u8; 16];
+    match receive(control.as_fd(), &mut go) {
+        Ok((n, _)) if &go[..n] == b"go" => {}
+        _ => return 3,
     }
     let Some((program, args)) = spec.argv.split_first() else {
-        let _ = writeln!(ctl_out, "error empty command");
+        let _ = say("error empty command");
         return 127;
     };
     let child = Command::new(program)
@@ -679,11 +826,13 @@ fn stage2() -> i32 {
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .current_dir(&spec.cwd)
         .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
         .spawn();
     let child = match child {
         Ok(c) => c,
         Err(e) => {
-            let _ = writeln!(ctl_out, "error {program}: {e}");
+            let _ = say(&format!("error {program}: {e}"));
             return 127;
         }
     };
@@ -699,18 +848,24 @@ fn stage2() -> i32 {
             Err(e) => break format!("lost {e}"),
         }
     };
-    let _ = writeln!(ctl_out, "exit {report}");
+    let _ = say(&format!("exit {report}"));
     // Exiting pid 1 kills everything the command left behind in the namespace.
     0
 }
 
-/// Mounts `/proc`, enters the root, and confines this process (and so the command).
-/// Returns the confinement layers as a space-separated list.
-fn init_setup(spec: &SandboxSpec) -> R<String> {
+/// Builds the root in a new mount namespace, mounts `/proc`, enters the root, and
+/// confines this process (and so the command). Returns the confinement layers as a
+/// space-separated list, and the work directory, opened.
+fn init_setup(
+    spec: &SandboxSpec,
+    control: &OwnedFd,
+    cpus: Option<&nix::sched::CpuSet>,
+) -> R<(String, OwnedFd)> {
     let root: PathBuf = spec.attempt_dir.join(files::ROOT);
-    // A mount namespace of our own, so that pivoting leaves stage 1's view alone. `/proc`
+    // A mount namespace of pid 1's own, so that the monitor keeps the host's view. `/proc`
     // is mounted while the host's is still visible, as the kernel requires.
     unshare(CloneFlags::CLONE_NEWNS).ctx(|| "unshare (mount)".into())?;
+    build_root(spec)?;
     mount(
         Some("proc"),
         &root.join("proc"),
@@ -724,11 +879,34 @@ fn init_setup(spec: &SandboxSpec) -> R<String> {
     pivot_root(".", ".").ctx(|| "pivot_root".into())?;
     umount2(".", MntFlags::MNT_DETACH).ctx(|| "detaching the host root".into())?;
     std::env::set_current_dir("/").ctx(|| "chdir /".into())?;
-    nix::sys::prctl::set_dumpable(false).ctx(|| "prctl(PR_SET_DUMPABLE)".into())?;
-
+    let work = nix::fcntl::open(
+        paths::WORK,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .ctx(|| "opening /work".into())?;
+    // The empty network namespace the monitor made meanwhile.
+    let mut msg = [0u8; 16];
+    let (n, mut fds) =
+        receive(control.as_fd(), &mut msg).ctx(|| "waiting for the network namespace".into())?;
+    let net = match fds.pop() {
+        Some(net) if &msg[..n] == b"net" => net,
+        _ => return Err("the monitor sent no network namespace".into()),
+    };
+    nix::sched::setns(&net, CloneFlags::CLONE_NEWNET)
+        .ctx(|| "joining the network namespace".into())?;
+    drop(net);
+    // Every CPU this process had before the monitor moved it (see `move_off_this_cpu`).
+    if let Some(cpus) = cpus {
+        nix::sched::sched_setaffinity(Pid::from_raw(0), cpus)
+            .ctx(|| "restoring the CPU affinity".into())?;
+    }
     // Under memory pressure in the attempt's cgroup, the command (which inherits this)
-    // goes first, not the monitor that records what happened.
+    // goes first, not the monitor that records what happened. Written while this process
+    // still owns its /proc files: an undumpable process forked from a binary executed
+    // outside the namespace leaves them to the host's root.
     fs::write("/proc/self/oom_score_adj", "1000").ctx(|| "raising oom_score_adj".into())?;
+    nix::sys::prctl::set_dumpable(false).ctx(|| "prctl(PR_SET_DUMPABLE)".into())?;
     let mut layers = vec!["rlimits"];
     filter::rlimits(&spec.rlimits)?;
     if spec.landlock && filter::landlock(&spec.devices)? {
@@ -740,5 +918,5 @@ fn init_setup(spec: &SandboxSpec) -> R<String> {
         filter::seccomp()?;
         layers.push("seccomp");
     }
-    Ok(layers.join(" "))
+    Ok((layers.join(" "), work))
 }
