@@ -12,14 +12,45 @@ use serde::Serialize;
 
 use crate::output::{self, out};
 
+/// Medians of one round, milliseconds.
+#[derive(Serialize)]
+struct Medians {
+    plain: f64,
+    bwrap: Option<f64>,
+    ours: f64,
+}
+
+impl Medians {
+    fn print(&self, what: &str) -> anyhow::Result<()> {
+        out!("{what}:")?;
+        out!("  plain spawn              {:>8.2} ms", self.plain)?;
+        match self.bwrap {
+            Some(b) => out!("  bwrap --unshare-all      {b:>8.2} ms")?,
+            None => {
+                out!("  bwrap --unshare-all      not available (apt-get install bubblewrap)")?;
+            }
+        }
+        out!(
+            "  cannabis sandbox         {:>8.2} ms  (cgroups, namespaces, root, confinement, host check, cleanup)",
+            self.ours
+        )?;
+        if let Some(b) = self.bwrap {
+            out!("  sandbox / bwrap          {:>8.2}x", self.ours / b)?;
+        }
+        out!(
+            "  sandbox / plain          {:>8.2}x",
+            self.ours / self.plain
+        )?;
+        Ok(())
+    }
+}
+
 #[derive(Serialize)]
 struct Figures {
     runs: u32,
-    plain_spawn_ms: f64,
-    bwrap_unshare_all_ms: Option<f64>,
-    sandbox_ms: f64,
-    sandbox_vs_bwrap: Option<f64>,
-    sandbox_vs_plain: f64,
+    back_to_back: Medians,
+    after_pause: Medians,
+    zygote_start_ms: f64,
     size: u32,
     synthetic_ms: f64,
     sgemm_f32_ms: f64,
@@ -28,11 +59,6 @@ struct Figures {
 
 pub(super) fn run(runs: u32, size: u32, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
-    let plain = median(runs, || {
-        let ok = Command::new("/bin/true").status()?.success();
-        anyhow::ensure!(ok, "/bin/true failed");
-        Ok(())
-    })?;
     let bwrap_args = [
         "--unshare-all",
         "--die-with-parent",
@@ -56,21 +82,42 @@ pub(super) fn run(runs: u32, size: u32, json: bool) -> anyhow::Result<()> {
         "/work",
         "/bin/true",
     ];
-    let bwrap = if Command::new("bwrap")
+    let has_bwrap = Command::new("bwrap")
         .args(bwrap_args)
         .stderr(Stdio::null())
         .status()
-        .is_ok_and(|s| s.success())
-    {
-        Some(median(runs, || {
-            let ok = Command::new("bwrap").args(bwrap_args).status()?.success();
-            anyhow::ensure!(ok, "bwrap failed");
-            Ok(())
-        })?)
-    } else {
-        None
+        .is_ok_and(|s| s.success());
+    let sandbox = Sandboxes::new()?;
+    // The three take turns, so that all see the same machine: a burst of other work
+    // lands on all of them alike. First back to back, then each after a pause (untimed),
+    // as sandboxes start on a node that is not starting them all the time.
+    let round = |runs: u32, pause: Duration| -> anyhow::Result<Medians> {
+        let (mut plain, mut bwrap, mut ours) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..runs {
+            std::thread::sleep(pause);
+            let t = Instant::now();
+            let ok = Command::new("/bin/true").status()?.success();
+            anyhow::ensure!(ok, "/bin/true failed");
+            plain.push(t.elapsed());
+            if has_bwrap {
+                std::thread::sleep(pause);
+                let t = Instant::now();
+                let ok = Command::new("bwrap").args(bwrap_args).status()?.success();
+                anyhow::ensure!(ok, "bwrap failed");
+                bwrap.push(t.elapsed());
+            }
+            std::thread::sleep(pause);
+            ours.push(sandbox.once().context("sandboxed /bin/true")?);
+        }
+        Ok(Medians {
+            plain: ms(middle(plain)),
+            bwrap: has_bwrap.then(|| ms(middle(bwrap))),
+            ours: ms(middle(ours)),
+        })
     };
-    let ours = sandbox_median(runs)?;
+    let back_to_back = round(runs, Duration::ZERO)?;
+    let after_pause = round((runs / 4).max(1), Duration::from_millis(20))?;
+    let zygote = sandbox.zygote_start;
 
     let seed = Digest::of(b"cannabis exec bench");
     let task = cannabis_protocol::synthetic::SyntheticTask::new(seed, size)?;
@@ -92,13 +139,12 @@ pub(super) fn run(runs: u32, size: u32, json: bool) -> anyhow::Result<()> {
         std::hint::black_box(c);
         Ok(())
     })?;
+    let after_runs = (runs / 4).max(1);
     let f = Figures {
         runs,
-        plain_spawn_ms: ms(plain),
-        bwrap_unshare_all_ms: bwrap.map(ms),
-        sandbox_ms: ms(ours),
-        sandbox_vs_bwrap: bwrap.map(|b| ms(ours) / ms(b)),
-        sandbox_vs_plain: ms(ours) / ms(plain),
+        back_to_back,
+        after_pause,
+        zygote_start_ms: ms(zygote),
         size,
         synthetic_ms: ms(synthetic),
         sgemm_f32_ms: ms(sgemm),
@@ -107,20 +153,16 @@ pub(super) fn run(runs: u32, size: u32, json: bool) -> anyhow::Result<()> {
     if json {
         return output::json(&f);
     }
-    out!("median of {runs} spawns of /bin/true:")?;
-    out!("  plain spawn              {:>8.2} ms", f.plain_spawn_ms)?;
-    match f.bwrap_unshare_all_ms {
-        Some(b) => out!("  bwrap --unshare-all      {b:>8.2} ms")?,
-        None => out!("  bwrap --unshare-all      not available (apt-get install bubblewrap)")?,
-    }
+    f.back_to_back.print(&format!(
+        "spawning /bin/true, median of {runs}, back to back"
+    ))?;
+    f.after_pause.print(&format!(
+        "spawning /bin/true, median of {after_runs}, each after a 20 ms pause"
+    ))?;
     out!(
-        "  cannabis sandbox         {:>8.2} ms  (cgroups, namespaces, root, confinement, host check, cleanup)",
-        f.sandbox_ms
+        "(the sandbox zygote, started once per executor, took {:.2} ms to answer first)",
+        f.zygote_start_ms
     )?;
-    if let Some(r) = f.sandbox_vs_bwrap {
-        out!("  sandbox / bwrap          {r:>8.2}x")?;
-    }
-    out!("  sandbox / plain          {:>8.2}x", f.sandbox_vs_plain)?;
     out!("synthetic task, {size}x{size}, one core, median of 5:")?;
     out!("  int8 -> i32 (synthetic)  {:>8.1} ms", f.synthetic_ms)?;
     out!("  f32 sgemm (matrixmultiply) {:>6.1} ms", f.sgemm_f32_ms)?;
@@ -169,42 +211,89 @@ fn sgemm(a: &[f32], b: &[f32], c: &mut [f32], n: usize, stride: isize) {
     }
 }
 
-/// The sandbox's whole life for `/bin/true`: cgroups with limits, stage 1 and 2, the root,
-/// confinement, the host's check, the run, and cleanup confirmed empty.
-fn sandbox_median(runs: u32) -> anyhow::Result<Duration> {
-    let scratch = tempfile::Builder::new()
-        .prefix("cannabis-bench-")
-        .tempdir()?
-        .keep();
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o711))?;
-    let program =
-        cannabis_runtime::exec::pin_program(&std::env::current_exe()?, &scratch.join("bin"))?;
-    let cgroups = Cgroups::detect(&format!("bench-{}", std::process::id()));
-    let root = nix::unistd::geteuid().is_root();
-    let uid = if root {
-        cannabis_runtime::exec::DEFAULT_SANDBOX_UID
-    } else {
-        nix::unistd::geteuid().as_raw()
-    };
-    let result = median(runs, || {
-        let dir = scratch.join("a");
-        one_run(&program, &dir, &cgroups, root.then_some(uid), uid)
-            .context("sandboxed /bin/true")?;
+/// The median of some durations.
+fn middle(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times.get(times.len() / 2).copied().unwrap_or_default()
+}
+
+/// Sandboxes for `/bin/true`, as the executor makes them, in a scratch directory.
+struct Sandboxes {
+    scratch: std::path::PathBuf,
+    program: std::path::PathBuf,
+    cgroups: Cgroups,
+    launcher: sandbox::Launcher,
+    switch: Option<u32>,
+    uid: u32,
+    /// How long the zygote took to start and answer (once per executor, as in the node;
+    /// not part of a sandbox's start-up).
+    zygote_start: Duration,
+}
+
+impl Drop for Sandboxes {
+    fn drop(&mut self) {
+        self.cgroups.remove_base();
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
+impl Sandboxes {
+    fn new() -> anyhow::Result<Self> {
+        let scratch = tempfile::Builder::new()
+            .prefix("cannabis-bench-")
+            .tempdir()?
+            .keep();
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o711))?;
+        let program =
+            cannabis_runtime::exec::pin_program(&std::env::current_exe()?, &scratch.join("bin"))?;
+        let cgroups = Cgroups::detect(&format!("bench-{}", std::process::id()));
+        let root = nix::unistd::geteuid().is_root();
+        let uid = if root {
+            cannabis_runtime::exec::DEFAULT_SANDBOX_UID
+        } else {
+            nix::unistd::geteuid().as_raw()
+        };
+        let launcher = sandbox::Launcher::new(&program, &scratch.join("template"));
+        let first = Instant::now();
+        launcher.start()?;
+        Ok(Self {
+            zygote_start: first.elapsed(),
+            scratch,
+            program,
+            cgroups,
+            launcher,
+            switch: root.then_some(uid),
+            uid,
+        })
+    }
+
+    /// One sandbox's whole life for `/bin/true`: cgroups with limits, the monitor and pid 1,
+    /// the root, confinement, the host's check, the run, the tree confirmed empty, cgroups
+    /// removed. The attempt directory is staging: made before and removed after the timing.
+    fn once(&self) -> anyhow::Result<Duration> {
+        let dir = self.scratch.join("a");
+        let took = one_run(
+            &self.launcher,
+            &self.program,
+            &dir,
+            &self.cgroups,
+            self.switch,
+            self.uid,
+        )?;
         std::fs::remove_dir_all(&dir)?;
-        Ok(())
-    });
-    let _ = std::fs::remove_dir_all(&scratch);
-    result
+        Ok(took)
+    }
 }
 
 fn one_run(
+    launcher: &sandbox::Launcher,
     program: &Path,
     dir: &Path,
     cgroups: &Cgroups,
     switch: Option<u32>,
     uid: u32,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Duration> {
     for sub in ["", "inputs", "bundle", "outputs", "root"] {
         std::fs::create_dir_all(dir.join(sub))?;
         if let Some(u) = switch {
@@ -226,15 +315,6 @@ fn one_run(
             None,
         )?;
     }
-    let cg = cgroups.create(
-        "run",
-        &CgroupLimits {
-            memory_bytes: 64 << 20,
-            swap_bytes: 0,
-            processes: 16,
-            cpu_millicores: 1000,
-        },
-    )?;
     let spec = SandboxSpec {
         attempt_dir: dir.to_path_buf(),
         uid,
@@ -255,7 +335,20 @@ fn one_run(
         program: program.to_path_buf(),
         devices: Vec::new(),
     };
-    let mut launch = sandbox::launch(&spec, switch.map(|u| (u, u)), &cg)?;
+    // Timed from here (the attempt directory is staging, made before and removed after):
+    // as the executor does, the monitor starts while the cgroups are made.
+    let t = Instant::now();
+    let starting = sandbox::launch(launcher, &spec, switch.map(|u| (u, u)))?;
+    let cg = cgroups.create(
+        "run",
+        &CgroupLimits {
+            memory_bytes: 64 << 20,
+            swap_bytes: 0,
+            processes: 16,
+            cpu_millicores: 1000,
+        },
+    )?;
+    let mut launch = starting.enter(&cg)?;
     let (pid, reported) = launch.wait_ready(Duration::from_secs(10))?;
     sandbox::check_running(pid, &cg, &[], &reported).map_err(|e| anyhow::anyhow!(e))?;
     launch.go()?;
@@ -265,5 +358,5 @@ fn one_run(
         "the sandbox did not empty"
     );
     cg.remove()?;
-    Ok(())
+    Ok(t.elapsed())
 }
