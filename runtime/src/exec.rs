@@ -1013,7 +1013,7 @@ fn input_name(input: &TaskInput) -> &str {
 }
 
 /// A plain file name: no path, no `.` or `..`, not a log's name.
-fn plain_name(name: &str) -> Result<(), String> {
+pub(crate) fn plain_name(name: &str) -> Result<(), String> {
     if name.is_empty()
         || name == "."
         || name == ".."

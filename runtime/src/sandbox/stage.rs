@@ -456,9 +456,8 @@ fn copy_outputs(spec: &SandboxSpec, work: &OwnedFd) -> (Vec<OutputFile>, Vec<(St
 
 fn copy_output(work: &OwnedFd, name: &str, to: &Path, cap: u64) -> R<Option<OutputFile>> {
     use nix::fcntl::OFlag;
-    if name.contains('/') || name == ".." || name == "." {
-        return Err("is not a plain file name".into());
-    }
+    // Admission refused such names already; `openat` must never walk out of `/work`.
+    crate::exec::plain_name(name)?;
     let file = match nix::fcntl::openat(
         work,
         name,
@@ -544,14 +543,7 @@ const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom"];
 /// the template's copy when the zygote made one for this program, else built here.
 fn build_root(spec: &SandboxSpec) -> R<()> {
     let root = spec.attempt_dir.join(files::ROOT);
-    mount(
-        None::<&str>,
-        "/",
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        None::<&str>,
-    )
-    .ctx(|| "making / private".into())?;
+    propagation(MsFlags::MS_PRIVATE)?;
     match TEMPLATE.get() {
         // One recursive bind instead of some twenty mounts. The copies are locked: made
         // in a more privileged namespace, their read-only flags cannot be lifted here.
@@ -570,6 +562,19 @@ fn build_root(spec: &SandboxSpec) -> R<()> {
     attach_attempt(spec, &root)
 }
 
+/// Sets how mounts propagate (`MS_PRIVATE`, `MS_SLAVE`) for the whole tree of this mount
+/// namespace.
+fn propagation(kind: MsFlags) -> R<()> {
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | kind,
+        None::<&str>,
+    )
+    .ctx(|| format!("setting the propagation of / to {kind:?}"))
+}
+
 /// The template root (see [`build_base`]), made once by the zygote in its own mount
 /// namespace, with the program it holds.
 static TEMPLATE: std::sync::OnceLock<(PathBuf, PathBuf)> = std::sync::OnceLock::new();
@@ -582,14 +587,7 @@ static TEMPLATE: std::sync::OnceLock<(PathBuf, PathBuf)> = std::sync::OnceLock::
 pub(super) fn make_template(at: &Path) -> R<()> {
     let program = std::env::current_exe().ctx(|| "finding this program".into())?;
     unshare(CloneFlags::CLONE_NEWNS).ctx(|| "unshare (mount)".into())?;
-    mount(
-        None::<&str>,
-        "/",
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_SLAVE,
-        None::<&str>,
-    )
-    .ctx(|| "making / a slave".into())?;
+    propagation(MsFlags::MS_SLAVE)?;
     fs::create_dir_all(at).ctx(|| format!("creating {}", at.display()))?;
     build_base(at, &program)?;
     remount_ro(at)?;

@@ -120,11 +120,6 @@ impl Launcher {
         }
     }
 
-    /// The program monitors are forked from.
-    pub fn program(&self) -> &Path {
-        &self.program
-    }
-
     /// Starts the zygote now, so that the first sandbox does not wait for it, and returns
     /// once it answers.
     pub fn start(&self) -> Result<(), LaunchError> {

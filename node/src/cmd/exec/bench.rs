@@ -181,8 +181,7 @@ fn median(runs: u32, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Resul
         f()?;
         times.push(t.elapsed());
     }
-    times.sort();
-    Ok(times[times.len() / 2])
+    Ok(middle(times))
 }
 
 #[allow(unsafe_code)]
