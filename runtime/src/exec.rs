@@ -913,8 +913,8 @@ impl Inner {
         let result = (|| {
             write_lease(&dir, now_ms() + 30_000).map_err(|e| e.to_string())?;
             let ids = self.as_root.then_some((uid, uid));
-            let mut launch = sandbox::launch(&self.launcher, &spec, ids)
-                .and_then(|starting| starting.enter(&cgroup))
+            let mut launch = sandbox::launch(&self.launcher, &spec, ids, || ())
+                .and_then(|(starting, ())| starting.enter(&cgroup))
                 .map_err(|e| e.to_string())?;
             let ready = launch.wait_ready(Duration::from_secs(10));
             let checked = ready

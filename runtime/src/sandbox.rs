@@ -2,21 +2,24 @@
 //!
 //! Four processes take part, all of them this binary:
 //!
-//! 0. The host (the executor) creates the attempt's cgroups and asks the zygote for a
-//!    monitor, puts the monitor into the cgroups, and only then sends it the
-//!    [`SandboxSpec`] over their control socket.
+//! 0. The host (the executor) asks the zygote for a monitor, creates the attempt's cgroups
+//!    meanwhile, and sends the monitor the [`SandboxSpec`] and the cgroups' entry files
+//!    over their control socket.
 //! 1. The zygote (`cannabis __sandbox-zygote`, started once per executor, one thread) forks
-//!    each monitor and reaps it when it ends. Forking a small process is ten times cheaper
-//!    than executing this large binary again.
-//! 2. The monitor (stage 1, forked as the sandbox's unprivileged host uid) creates new user,
-//!    mount, pid, net, ipc and uts namespaces, maps uid 0 inside to its own unprivileged uid
-//!    outside, and builds the sandbox root: a read-only tmpfs holding read-only binds of the
-//!    system directories, the staged inputs and the bundle, a size-limited tmpfs work
-//!    directory, and a minimal `/dev`. It forks stage 2, copies the workload's standard
+//!    each monitor (a spare ahead of need, already in an empty network namespace when the
+//!    zygote is root) and reaps it, and any pid 1 that outlives it, when they end. Forking a
+//!    small process is ten times cheaper than executing this large binary again.
+//! 2. The monitor (stage 1) moves itself into the attempt's cgroups while it still has the
+//!    zygote's privileges, becomes the sandbox's unprivileged host uid, creates new user,
+//!    pid, ipc and uts namespaces (and net, if it has none yet) and maps uid 0 inside to
+//!    its own unprivileged uid outside. It forks stage 2, copies the workload's standard
 //!    output and error into capped files, enforces the lease file (an expired lease kills
 //!    the sandbox), copies the declared outputs out of the work directory and writes
 //!    `exit.json`.
-//! 3. Stage 2 (pid 1 of the new pid namespace) mounts `/proc`, pivots into the root, sets
+//! 3. Stage 2 (pid 1 of the new pid namespace) builds the sandbox root in a mount namespace
+//!    of its own: a read-only tmpfs holding read-only binds of the system directories (the
+//!    zygote's template), the staged inputs and the bundle, a size-limited tmpfs work
+//!    directory, and a minimal `/dev`. It mounts `/proc`, pivots into the root, sets
 //!    rlimits, applies Landlock, sets `no_new_privs`, drops every capability (bounding set
 //!    included) and installs the seccomp filter. It then reports ready; the host inspects
 //!    the running process (namespaces, credentials, seccomp, cgroups) and only after that

@@ -157,6 +157,11 @@ fn has_python() -> bool {
 #[test]
 fn the_sandbox_enforces_every_layer_and_a_command_completes() {
     let s = setup();
+    let has = |layer: &str| {
+        s.ex.layers()
+            .iter()
+            .any(|l| cannabis_runtime::exec::layer_name(*l) == layer)
+    };
     for layer in [
         "user-namespace",
         "mount-namespace",
@@ -168,13 +173,26 @@ fn the_sandbox_enforces_every_layer_and_a_command_completes() {
         "bounded-workdir",
         "rlimits",
     ] {
-        assert!(
-            s.ex.layers()
-                .iter()
-                .any(|l| cannabis_runtime::exec::layer_name(*l) == layer),
-            "{layer} missing from {:?}",
-            s.ex.layers()
-        );
+        assert!(has(layer), "{layer} missing from {:?}", s.ex.layers());
+    }
+    // A cgroup layer is advertised only if the host found the probe's pid 1 inside the
+    // attempt's cgroup (the monitor moves itself in before it forks anything).
+    let described = s.ex.cgroups();
+    for (controller, layer) in [
+        ("memory", "cgroup-memory"),
+        ("pids", "cgroup-pids"),
+        ("cpu", "cgroup-cpu"),
+    ] {
+        if described
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .any(|w| w == controller)
+        {
+            assert!(
+                has(layer),
+                "{layer} missing from {:?} with cgroups {described}",
+                s.ex.layers()
+            );
+        }
     }
     let mut req = script_request(
         s.dir.path(),

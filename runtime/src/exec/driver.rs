@@ -209,22 +209,21 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         program: inner.cfg.program.clone(),
         devices,
     };
-    // The monitor sets up its namespaces while the cgroups are made; it starts nothing
-    // before it is inside them.
-    let starting = sandbox::launch(&inner.launcher, &spec, as_uid.map(|u| (u, u)))
+    // The cgroups are made while the zygote hands out the monitor; the monitor starts
+    // nothing before it is inside them.
+    let limits = CgroupLimits {
+        memory_bytes: reservation.memory_bytes,
+        swap_bytes: reservation.swap_bytes,
+        processes: reservation.processes,
+        cpu_millicores: reservation.cpu_millicores,
+    };
+    let (starting, cgroup) =
+        sandbox::launch(&inner.launcher, &spec, as_uid.map(|u| (u, u)), || {
+            inner.cgroups.create(&a.id, &limits)
+        })
         .map_err(|e| e.to_string())?;
-    let cgroup = inner
-        .cgroups
-        .create(
-            &a.id,
-            &CgroupLimits {
-                memory_bytes: reservation.memory_bytes,
-                swap_bytes: reservation.swap_bytes,
-                processes: reservation.processes,
-                cpu_millicores: reservation.cpu_millicores,
-            },
-        )
-        .map_err(|e| e.to_string())?;
+    // A monitor that is never told to enter ends when `starting` is dropped.
+    let cgroup = cgroup.map_err(|e| e.to_string())?;
     let mut launch = starting.enter(&cgroup).map_err(|e| e.to_string())?;
     let checked = launch
         .wait_ready(Duration::from_secs(15))

@@ -86,6 +86,16 @@ impl Cgroups {
                 }
             }
         }
+        // A v2 tree without controllers (a hybrid host) only adds `cgroup.kill`, which the
+        // v1 freezer replaces (freeze, kill, thaw). Leaving it out matters: a process moves
+        // into a v1 cgroup by itself without the kernel's global lock, but any move into a
+        // v2 cgroup takes it, and after an idle moment that waits ~10 ms for the other CPUs.
+        if found.has_v1("freezer")
+            && found.v2.as_ref().is_some_and(|(_, cs)| cs.is_empty())
+            && let Some((base, _)) = found.v2.take()
+        {
+            remove_base_dir(&base);
+        }
         found
     }
 
@@ -236,11 +246,7 @@ impl Cgroups {
             bases.push(b);
         }
         for b in bases {
-            let _ = fs::remove_dir(b);
-            // `<own>/cannabis`, once no executor uses it.
-            if let Some(parent) = b.parent() {
-                let _ = fs::remove_dir(parent);
-            }
+            remove_base_dir(b);
         }
     }
 
@@ -271,6 +277,34 @@ impl Cgroups {
     }
 }
 
+/// Removes an executor's base directory and `<own>/cannabis` above it, where empty.
+fn remove_base_dir(base: &Path) {
+    let _ = fs::remove_dir(base);
+    // `<own>/cannabis`, once no executor uses it.
+    if let Some(parent) = base.parent() {
+        let _ = fs::remove_dir(parent);
+    }
+}
+
+/// Moves the calling process into the cgroups whose entry files (from
+/// [`JobCgroup::entry_files`]) are given, by writing `0` to each. The process must have one
+/// thread: a v1 `tasks` file moves only the caller's.
+pub(super) fn enter_self(entry_files: &[PathBuf]) -> Result<(), CgroupError> {
+    for path in entry_files {
+        let named = path
+            .file_name()
+            .is_some_and(|n| n == "tasks" || n == "cgroup.procs");
+        if !named {
+            return Err(io("entering", path)(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a cgroup's tasks or cgroup.procs file",
+            )));
+        }
+        fs::write(path, "0").map_err(io("entering", path))?;
+    }
+    Ok(())
+}
+
 /// One attempt's cgroups.
 #[derive(Clone, Debug)]
 pub struct JobCgroup {
@@ -278,18 +312,46 @@ pub struct JobCgroup {
 }
 
 impl JobCgroup {
-    /// Moves a process into every one of the attempt's cgroups.
-    pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
-        for (_, dir) in &self.dirs {
-            let path = dir.join("cgroup.procs");
-            fs::write(&path, pid.to_string()).map_err(io("adding a process to", &path))?;
-        }
-        Ok(())
+    /// The file a single-threaded process writes `0` to in order to move itself into each
+    /// of the attempt's cgroups ([`enter_self`]). For v1 it is `tasks`: moving one thread,
+    /// the caller itself, is the one move the kernel makes without its global
+    /// `cgroup_threadgroup_rwsem`, whose write side waits for an RCU grace period when no
+    /// move happened just before (~10 ms). Writing a pid to `cgroup.procs` always takes it.
+    pub fn entry_files(&self) -> Vec<PathBuf> {
+        self.dirs
+            .iter()
+            .map(|(kind, dir)| match kind {
+                Kind::V1(_) => dir.join("tasks"),
+                Kind::V2 => dir.join("cgroup.procs"),
+            })
+            .collect()
     }
 
-    /// The cgroup directories (for checking a process's membership).
-    pub fn paths(&self) -> impl Iterator<Item = &Path> {
-        self.dirs.iter().map(|(_, d)| d.as_path())
+    /// Whether process `pid` is in every one of the attempt's cgroups, from its
+    /// `/proc/<pid>/cgroup` (one read, where scanning each `cgroup.procs` takes one per
+    /// hierarchy). Each line's path is relative to a hierarchy's root; ours end with it.
+    pub fn holds(&self, pid: u32) -> bool {
+        fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|text| self.holds_in(&text))
+    }
+
+    /// [`JobCgroup::holds`] for the text of a `/proc/<pid>/cgroup` file.
+    fn holds_in(&self, text: &str) -> bool {
+        self.dirs.iter().all(|(kind, dir)| {
+            text.lines().any(|line| {
+                let mut parts = line.splitn(3, ':');
+                let (Some(_), Some(controllers), Some(path)) =
+                    (parts.next(), parts.next(), parts.next())
+                else {
+                    return false;
+                };
+                let hierarchy = match kind {
+                    Kind::V2 => controllers.is_empty(),
+                    Kind::V1(c) => controllers.split(',').any(|x| x == *c),
+                };
+                let rel = path.trim_start_matches('/');
+                hierarchy && !rel.is_empty() && dir.ends_with(rel)
+            })
+        })
     }
 
     /// Every process in any of the attempt's cgroups.
@@ -309,16 +371,46 @@ impl JobCgroup {
         pids
     }
 
-    /// Whether no process is left (a cgroup that no longer exists is empty).
+    /// Whether no process is left (a cgroup that no longer exists is empty). Stops at the
+    /// first cgroup that holds one.
     pub fn is_empty(&self) -> bool {
         // A v1 `cgroup.procs` keeps listing a process that has exited until its parent
         // reaps it; such a process runs nothing and holds nothing.
-        self.pids().into_iter().all(|pid| {
+        let ended = |pid: &str| {
             fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
                 stat.rsplit_once(") ")
                     .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'))
             })
+        };
+        self.dirs.iter().all(|(_, dir)| {
+            fs::read_to_string(dir.join("cgroup.procs"))
+                .map_or(true, |procs| procs.split_whitespace().all(ended))
         })
+    }
+
+    /// Waits up to `within` for the tree to end by itself (after the monitor reported the
+    /// end); `true` once the cgroups are seen empty. Kills nothing.
+    pub fn wait_empty(&self, within: Duration) -> bool {
+        self.until_empty(within, Duration::from_millis(2), || {})
+    }
+
+    /// Looks until the cgroups are empty or `within` has passed, calling `between` before
+    /// each pause. A tree that is ending is usually gone within a millisecond: the pauses
+    /// start at 20 µs and double up to `longest`.
+    fn until_empty(&self, within: Duration, longest: Duration, mut between: impl FnMut()) -> bool {
+        let until = Instant::now() + within;
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if self.is_empty() {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            between();
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(longest);
+        }
     }
 
     /// Kills the whole tree at once: `cgroup.kill` where the kernel has it, else freeze,
@@ -339,11 +431,15 @@ impl JobCgroup {
             .map(|(_, d)| d.join("freezer.state"));
         if let Some(state) = &freezer {
             let _ = fs::write(state, "FROZEN");
+            // Usually frozen within microseconds; a task in the middle of a system call
+            // takes longer. Look soon, then less often.
             let until = Instant::now() + Duration::from_secs(1);
+            let mut pause = Duration::from_micros(20);
             while Instant::now() < until
                 && fs::read_to_string(state).is_ok_and(|s| s.trim() != "FROZEN")
             {
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(5));
             }
         }
         for pid in self.pids() {
@@ -359,21 +455,7 @@ impl JobCgroup {
     /// Kills the tree and waits up to `within` for every process to be gone. `true` only
     /// when the cgroups were seen empty.
     pub fn kill_and_confirm(&self, within: Duration) -> bool {
-        let until = Instant::now() + within;
-        // A tree that just ended is usually gone within a millisecond: look again soon,
-        // then less often.
-        let mut pause = Duration::from_micros(20);
-        loop {
-            if self.is_empty() {
-                return true;
-            }
-            if Instant::now() >= until {
-                return false;
-            }
-            self.kill();
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(10));
-        }
+        self.until_empty(within, Duration::from_millis(10), || self.kill())
     }
 
     /// Whether the kernel's OOM killer acted in this cgroup.
@@ -529,6 +611,37 @@ mod tests {
             own_path(OWN, &mounts[4]).as_deref(),
             Some("/user.slice/x.scope")
         );
+    }
+
+    #[test]
+    fn membership_is_read_from_the_process_cgroup_file() {
+        let job = JobCgroup {
+            dirs: vec![
+                (
+                    Kind::V1("memory"),
+                    PathBuf::from("/sys/fs/cgroup/memory/process_api/9f53/cannabis/ab/run"),
+                ),
+                (
+                    Kind::V1("pids"),
+                    PathBuf::from("/sys/fs/cgroup/pids/cannabis/ab/run"),
+                ),
+            ],
+        };
+        let inside = "8:pids:/cannabis/ab/run\n4:memory:/process_api/9f53/cannabis/ab/run\n";
+        let outside = "8:pids:/cannabis/ab/run\n4:memory:/process_api/9f53\n";
+        assert!(job.holds_in(inside));
+        assert!(!job.holds_in(outside));
+        assert!(!job.holds_in("8:pids:/\n4:memory:/\n"));
+    }
+
+    #[test]
+    fn a_process_enters_only_through_a_cgroup_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let other = dir.path().join("notes");
+        fs::write(&other, "kept").unwrap();
+        let err = enter_self(std::slice::from_ref(&other)).unwrap_err();
+        assert!(err.to_string().contains("not a cgroup"), "{err}");
+        assert_eq!(fs::read_to_string(&other).unwrap(), "kept");
     }
 
     #[test]

@@ -100,11 +100,7 @@ pub fn check_running(
     if work_is_tmpfs {
         layers.push(IsolationLayer::BoundedWorkdir);
     }
-    let in_cgroups = cgroup.paths().all(|dir| {
-        fs::read_to_string(dir.join("cgroup.procs"))
-            .is_ok_and(|procs| procs.lines().any(|l| l.trim() == pid.to_string()))
-    });
-    if in_cgroups {
+    if cgroup.holds(pid) {
         layers.extend_from_slice(cgroup_layers);
     }
     layers.sort();

@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use super::{CgroupError, JobCgroup, Launcher, SandboxSpec, files};
+use super::{JobCgroup, Launcher, SandboxSpec, files};
 
 /// Why a sandbox could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -19,9 +19,6 @@ pub enum LaunchError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The monitor could not be put into the attempt's cgroups.
-    #[error(transparent)]
-    Cgroup(#[from] CgroupError),
     /// The sandbox reported a set-up failure.
     #[error("sandbox set-up failed: {0}")]
     Setup(String),
@@ -49,13 +46,15 @@ pub struct Starting {
     control: UnixStream,
 }
 
-/// Starts a monitor for `spec` through `launcher`, as host `ids` (uid, gid) when given.
-/// The caller creates the attempt's cgroups meanwhile and then calls [`Starting::enter`].
-pub fn launch(
+/// Starts a monitor for `spec` through `launcher`, as host `ids` (uid, gid) when given,
+/// and runs `meanwhile` (which makes the attempt's cgroups) while the zygote hands the
+/// monitor out. The caller then calls [`Starting::enter`].
+pub fn launch<T>(
     launcher: &Launcher,
     spec: &SandboxSpec,
     ids: Option<(u32, u32)>,
-) -> Result<Starting, LaunchError> {
+    meanwhile: impl FnOnce() -> T,
+) -> Result<(Starting, T), LaunchError> {
     // The attempt directory belongs to the sandbox uid: never follow a link planted there.
     let log = {
         use std::os::unix::fs::OpenOptionsExt as _;
@@ -68,20 +67,26 @@ pub fn launch(
             .open(&path)?
     };
     let (ours, theirs) = UnixStream::pair()?;
-    let pid = launcher.fork_monitor(ids, &OwnedFd::from(theirs), &log)?;
+    let mut meanwhile = Some(meanwhile);
+    let mut made = None;
+    let pid = launcher.fork_monitor(ids, &OwnedFd::from(theirs), &log, &mut || {
+        made = meanwhile.take().map(|f| f());
+    })?;
+    let made = made.ok_or_else(|| LaunchError::Setup("the zygote was never asked".into()))?;
     let mut control = ours;
     let spec_line = serde_json::to_string(spec).map_err(std::io::Error::other)?;
     writeln!(control, "{spec_line}")?;
-    Ok(Starting { pid, control })
+    Ok((Starting { pid, control }, made))
 }
 
 impl Starting {
-    /// Puts the monitor into `cgroup` and lets it go on: it starts pid 1 only after this.
-    /// If it cannot be put there, dropping the control socket ends it.
+    /// Tells the monitor to move itself into `cgroup` and go on: it starts pid 1 only
+    /// after that, and reports a failure to move as a set-up error ([`Launch::wait_ready`]).
+    /// The host's check of the running sandbox confirms the membership.
     pub fn enter(self, cgroup: &JobCgroup) -> Result<Launch, LaunchError> {
         let Self { pid, mut control } = self;
-        cgroup.add(pid)?;
-        writeln!(control, "enter")?;
+        let files = serde_json::to_string(&cgroup.entry_files()).map_err(std::io::Error::other)?;
+        writeln!(control, "enter {files}")?;
         Ok(Launch {
             pid,
             control: BufReader::new(control),

@@ -4,7 +4,7 @@
 
 use std::fs::{self, File};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::fd::{AsFd, AsRawFd as _, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd as _, BorrowedFd, IntoRawFd as _, OwnedFd};
 use std::os::unix::fs::symlink;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -51,9 +51,15 @@ impl<T, E: std::fmt::Display> Ctx<T> for Result<T, E> {
 
 // ---------------------------------------------------------------- stage 1
 
-/// The monitor, forked by the zygote and already running as the sandbox uid; `host` is its
-/// control socket to the host. Returns the process's exit code.
-pub(super) fn monitor_main(host: UnixStream) -> i32 {
+/// The monitor, forked by the zygote; `host` is its control socket to the host; `own_net`
+/// says it is already in an empty network namespace of its own. It reads the spec, moves
+/// itself into the attempt's cgroups while it still has the zygote's privileges, then
+/// calls `become_sandbox_user` and sets the sandbox up. Returns the process's exit code.
+pub(super) fn monitor_main(
+    host: UnixStream,
+    own_net: bool,
+    become_sandbox_user: impl FnOnce() -> R<()>,
+) -> i32 {
     let mut host_out = match host.try_clone() {
         Ok(h) => h,
         Err(e) => {
@@ -63,7 +69,6 @@ pub(super) fn monitor_main(host: UnixStream) -> i32 {
     };
     let mut host_in = BufReader::new(host);
     let mut line = String::new();
-    // Blocks until the host has put this process into the attempt's cgroups.
     if host_in.read_line(&mut line).is_err() || line.is_empty() {
         eprintln!("sandbox: no spec from the host");
         return 2;
@@ -75,7 +80,31 @@ pub(super) fn monitor_main(host: UnixStream) -> i32 {
             return 2;
         }
     };
-    let record = match monitor(&spec, &mut host_in, &mut host_out) {
+    // Nothing starts before this process is in the attempt's cgroups (the host makes them
+    // while this process starts, then sends their entry files). Moving itself is the cheap
+    // move (see `JobCgroup::entry_files`); done before the namespaces, it is not kept
+    // waiting behind them.
+    line.clear();
+    let _ = host_in.read_line(&mut line);
+    let entered = line.trim_end().strip_prefix("enter ").map(|files| {
+        serde_json::from_str::<Vec<PathBuf>>(files)
+            .ctx(|| "bad cgroup list".into())
+            .and_then(|files| super::cgroup::enter_self(&files).map_err(|e| e.to_string()))
+    });
+    if let Err(e) = become_sandbox_user() {
+        eprintln!("sandbox: {e}");
+        let _ = writeln!(host_out, "error {e}");
+        return 2;
+    }
+    let outcome = match entered {
+        None => Ok(ExitRecord {
+            ended_by: Some("aborted before start".into()),
+            ..ExitRecord::default()
+        }),
+        Some(Err(e)) => Err(format!("moving into the attempt's cgroups: {e}")),
+        Some(Ok(())) => monitor(&spec, own_net, &mut host_in, &mut host_out),
+    };
+    let record = match outcome {
         Ok(record) => record,
         Err(e) => {
             eprintln!("sandbox: {e}");
@@ -86,17 +115,23 @@ pub(super) fn monitor_main(host: UnixStream) -> i32 {
             }
         }
     };
-    match write_exit(&spec.attempt_dir, &record) {
+    let code = match write_exit(&spec.attempt_dir, &record) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("sandbox: writing {}: {e}", files::EXIT);
             1
         }
-    }
+    };
+    // The host reads the end of the control socket as the end of this process: leave it
+    // to the kernel to close, at exit, so that the host does not wake (and take this CPU)
+    // while the exit is still under way.
+    let _ = (host_in.into_inner().into_raw_fd(), host_out.into_raw_fd());
+    code
 }
 
 fn monitor(
     spec: &SandboxSpec,
+    own_net: bool,
     host_in: &mut BufReader<UnixStream>,
     host_out: &mut UnixStream,
 ) -> R<ExitRecord> {
@@ -104,29 +139,19 @@ fn monitor(
     let stdout_file = File::create(dir.join(files::STDOUT)).ctx(|| "creating stdout".into())?;
     let stderr_file = File::create(dir.join(files::STDERR)).ctx(|| "creating stderr".into())?;
     let (uid, gid) = (nix::unistd::geteuid(), nix::unistd::getegid());
-    // Nothing starts before the host has put this process into the attempt's cgroups (the
-    // host makes them while this process starts). Moving a process between cgroups waits
-    // for the kernel's other CPUs; done before the namespaces, it is not kept waiting.
-    let mut enter = String::new();
-    let _ = host_in.read_line(&mut enter);
-    if enter.trim_end() != "enter" {
-        return Ok(ExitRecord {
-            ended_by: Some("aborted before start".into()),
-            ..ExitRecord::default()
-        });
-    }
 
     // The monitor keeps the host's view of the filesystem: the mount namespace is pid 1's
     // alone, so that nothing is mounted twice and nothing is left to unmount here. The
-    // network namespace, the costliest to make, is made after pid 1 is forked, while pid 1
-    // builds its root; pid 1 joins it before it confines itself.
-    unshare(
-        CloneFlags::CLONE_NEWUSER
-            | CloneFlags::CLONE_NEWPID
-            | CloneFlags::CLONE_NEWIPC
-            | CloneFlags::CLONE_NEWUTS,
-    )
-    .ctx(|| "unshare (user, pid, ipc, uts)".into())?;
+    // network namespace, the costliest to make, was made ahead of need by the zygote's
+    // child where it could (as root); else it is made here, owned by the new user namespace.
+    let mut namespaces = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS;
+    if !own_net {
+        namespaces |= CloneFlags::CLONE_NEWNET;
+    }
+    unshare(namespaces).ctx(|| "unshare (user, pid, ipc, uts, net)".into())?;
     fs::write("/proc/self/setgroups", "deny").ctx(|| "writing setgroups".into())?;
     fs::write("/proc/self/uid_map", format!("0 {uid} 1")).ctx(|| "writing uid_map".into())?;
     fs::write("/proc/self/gid_map", format!("0 {gid} 1")).ctx(|| "writing gid_map".into())?;
@@ -146,7 +171,6 @@ fn monitor(
     let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
     let (out_read, out_write) = nix::unistd::pipe2(cloexec).ctx(|| "pipe".into())?;
     let (err_read, err_write) = nix::unistd::pipe2(cloexec).ctx(|| "pipe".into())?;
-    let cpus = nix::sched::sched_getaffinity(Pid::from_raw(0)).ok();
     let init = match fork_single_threaded()? {
         Forked::Child => {
             // Pid 1 keeps none of the monitor's descriptors. They are all close-on-exec
@@ -156,7 +180,7 @@ fn monitor(
             drop((ours, out_read, err_read, stdout_file, stderr_file));
             let _ = nix::unistd::close(host_out.as_raw_fd());
             let _ = nix::unistd::close(host_in.get_ref().as_raw_fd());
-            std::process::exit(init_main(spec, theirs, out_write, err_write, cpus));
+            std::process::exit(init_main(spec, theirs, out_write, err_write));
         }
         Forked::Parent(pid) => pid,
     };
@@ -165,30 +189,6 @@ fn monitor(
         let _ = kill(init, Signal::SIGKILL);
         let _ = wait_for(init);
     };
-    // A new process starts on its parent's CPU, and would wait there while this one spends
-    // half a millisecond in the kernel on the namespace: send pid 1 to another CPU. It takes
-    // back every CPU it had when it receives the namespace (only after this call).
-    if let Some(cpus) = &cpus {
-        move_off_this_cpu(init, cpus);
-    }
-    let net = unshare(CloneFlags::CLONE_NEWNET)
-        .ctx(|| "unshare (net)".into())
-        .and_then(|()| {
-            nix::fcntl::open(
-                "/proc/self/ns/net",
-                nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
-                nix::sys::stat::Mode::empty(),
-            )
-            .ctx(|| "opening the network namespace".into())
-        })
-        .and_then(|net| {
-            send_with_fds(ours.as_fd(), b"net", &[net.as_raw_fd()])
-                .ctx(|| "handing pid 1 its network namespace".into())
-        });
-    if let Err(e) = net {
-        kill_init(init);
-        return Err(e);
-    }
     let mut buf = vec![0u8; 4096];
     let (n, mut fds) = receive(ours.as_fd(), &mut buf).unwrap_or((0, Vec::new()));
     let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
@@ -241,7 +241,12 @@ fn monitor(
             // Pid 1 sends its report and ends; or the socket closed because it ended.
             let n = receive(ours.as_fd(), &mut buf).map_or(0, |(n, _)| n);
             report = Some(String::from_utf8_lossy(&buf[..n]).into_owned());
-            status = wait_for(init);
+            // Pid 1 is ending; its namespaces are torn down while this process copies the
+            // outputs and ends too (the zygote, a subreaper, reaps it). Its status is only
+            // needed when it ended without a report.
+            if !report.as_deref().is_some_and(|r| r.starts_with("exit ")) {
+                status = wait_for(init);
+            }
             // Everything in the namespace dies with pid 1, so the pipes close; read what
             // is left, for a bounded time.
             drain_until = Some(Instant::now() + Duration::from_secs(2));
@@ -401,22 +406,6 @@ fn poll_io(logs: &mut [Log; 2], control: Option<BorrowedFd<'_>>, timeout: Durati
         }
     }
     control_ready
-}
-
-/// Moves `pid` (just forked, allowed `cpus`) off the CPU this process runs on, when it has
-/// another: a placement for its first milliseconds, best effort.
-fn move_off_this_cpu(pid: Pid, cpus: &nix::sched::CpuSet) {
-    let Ok(here) = nix::sched::sched_getcpu() else {
-        return;
-    };
-    let mut others = *cpus;
-    if others.unset(here).is_err() {
-        return;
-    }
-    let any_other = (0..nix::sched::CpuSet::count()).any(|cpu| others.is_set(cpu).unwrap_or(false));
-    if any_other {
-        let _ = nix::sched::sched_setaffinity(pid, &others);
-    }
 }
 
 /// Waits for `pid` (a child of this process) to end.
@@ -784,20 +773,14 @@ fn remount_ro(at: &Path) -> R<()> {
 /// its own, confines itself, reports ready (handing the monitor the work directory, from
 /// which it copies the declared outputs afterwards), and runs the command when told.
 /// Returns the process's exit code.
-fn init_main(
-    spec: &SandboxSpec,
-    control: OwnedFd,
-    out: OwnedFd,
-    err: OwnedFd,
-    cpus: Option<nix::sched::CpuSet>,
-) -> i32 {
+fn init_main(spec: &SandboxSpec, control: OwnedFd, out: OwnedFd, err: OwnedFd) -> i32 {
     // If the monitor dies, so does the sandbox: nobody would enforce its lease.
     if nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err() {
         return 2;
     }
 
     let say = |msg: &str| send_with_fds(control.as_fd(), msg.as_bytes(), &[]);
-    let (layers, work) = match init_setup(spec, &control, cpus.as_ref()) {
+    let (layers, work) = match init_setup(spec) {
         Ok(done) => done,
         Err(e) => {
             let _ = say(&format!("error {e}"));
@@ -854,11 +837,7 @@ fn init_main(
 /// Builds the root in a new mount namespace, mounts `/proc`, enters the root, and
 /// confines this process (and so the command). Returns the confinement layers as a
 /// space-separated list, and the work directory, opened.
-fn init_setup(
-    spec: &SandboxSpec,
-    control: &OwnedFd,
-    cpus: Option<&nix::sched::CpuSet>,
-) -> R<(String, OwnedFd)> {
+fn init_setup(spec: &SandboxSpec) -> R<(String, OwnedFd)> {
     let root: PathBuf = spec.attempt_dir.join(files::ROOT);
     // A mount namespace of pid 1's own, so that the monitor keeps the host's view. `/proc`
     // is mounted while the host's is still visible, as the kernel requires.
@@ -883,22 +862,6 @@ fn init_setup(
         nix::sys::stat::Mode::empty(),
     )
     .ctx(|| "opening /work".into())?;
-    // The empty network namespace the monitor made meanwhile.
-    let mut msg = [0u8; 16];
-    let (n, mut fds) =
-        receive(control.as_fd(), &mut msg).ctx(|| "waiting for the network namespace".into())?;
-    let net = match fds.pop() {
-        Some(net) if &msg[..n] == b"net" => net,
-        _ => return Err("the monitor sent no network namespace".into()),
-    };
-    nix::sched::setns(&net, CloneFlags::CLONE_NEWNET)
-        .ctx(|| "joining the network namespace".into())?;
-    drop(net);
-    // Every CPU this process had before the monitor moved it (see `move_off_this_cpu`).
-    if let Some(cpus) = cpus {
-        nix::sched::sched_setaffinity(Pid::from_raw(0), cpus)
-            .ctx(|| "restoring the CPU affinity".into())?;
-    }
     // Under memory pressure in the attempt's cgroup, the command (which inherits this)
     // goes first, not the monitor that records what happened. Written while this process
     // still owns its /proc files: an undumpable process forked from a binary executed

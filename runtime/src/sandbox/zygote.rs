@@ -11,13 +11,15 @@
 //! request, never merged). A request is `monitor` or `monitor <uid> <gid>`, carrying two
 //! descriptors: the monitor's end of its control socket to the host and the attempt's
 //! `sandbox.log`. The reply is `pid <n>` or `error <why>`. The zygote reaps the monitors
-//! it forked as soon as they end (a `signalfd` for `SIGCHLD`: a zombie would keep the
-//! attempt's cgroup from being seen empty); it exits when the host closes the channel
-//! (monitors that are running keep running: they never depended on it).
+//! it forked as soon as they end (a `signalfd` for `SIGCHLD`), and, as a child subreaper,
+//! the sandboxes' pid 1s that outlive their monitor by the moment their namespaces take to
+//! be torn down; it exits when the host closes the channel (monitors that are running keep
+//! running: they never depended on it).
 //!
-//! It keeps one spare monitor forked ahead of need (forked when it has been idle for 5 ms),
-//! so that a request costs a message instead of a fork. As root it also mounts, in a mount
-//! namespace of its own, the part of the root every sandbox shares (see
+//! It keeps one spare monitor forked ahead of need (when no sandbox is being served, or
+//! after 5 ms idle), so that a request costs a message instead of a fork; as root the spare
+//! also makes the sandbox's empty network namespace then. As root the zygote also mounts,
+//! in a mount namespace of its own, the part of the root every sandbox shares (see
 //! `stage::make_template`), and compiles the seccomp filter once.
 #![allow(unsafe_code)]
 
@@ -31,6 +33,7 @@ use std::sync::Mutex;
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sched::{CloneFlags, unshare};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{
@@ -127,7 +130,9 @@ impl Launcher {
         if slot.is_none() {
             *slot = Some(self.spawn()?);
         }
-        let answered = slot.as_ref().map(|z| ask(&z.channel, b"ping", &[]));
+        let answered = slot
+            .as_ref()
+            .map(|z| ask(&z.channel, b"ping", &[], &mut || {}));
         match answered {
             Some(Ok(reply)) if reply == "pong" => Ok(()),
             Some(Ok(reply)) => Err(LaunchError::Setup(format!(
@@ -168,13 +173,15 @@ impl Launcher {
     }
 
     /// Forks a monitor that runs as `ids` (uid, gid) when given, talks to the host over
-    /// `control` and writes its diagnostics to `log`. Returns its pid. A zygote found gone
-    /// is started again once.
+    /// `control` and writes its diagnostics to `log`. Returns its pid. `meanwhile` runs
+    /// once, while the zygote serves the request; it has run whenever this returns `Ok`.
+    /// A zygote found gone is started again once.
     pub(super) fn fork_monitor(
         &self,
         ids: Option<(u32, u32)>,
         control: &OwnedFd,
         log: &File,
+        meanwhile: &mut dyn FnMut(),
     ) -> Result<u32, LaunchError> {
         let request = match ids {
             Some((uid, gid)) => format!("monitor {uid} {gid}"),
@@ -182,6 +189,12 @@ impl Launcher {
         };
         let fds = [control.as_raw_fd(), log.as_raw_fd()];
         let mut slot = self.zygote.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ran = false;
+        let mut once = || {
+            if !std::mem::replace(&mut ran, true) {
+                meanwhile();
+            }
+        };
         let mut last = None;
         for _ in 0..2 {
             if slot.is_none() {
@@ -190,7 +203,7 @@ impl Launcher {
             let Some(zygote) = slot.as_ref() else {
                 continue;
             };
-            match ask(&zygote.channel, request.as_bytes(), &fds) {
+            match ask(&zygote.channel, request.as_bytes(), &fds, &mut once) {
                 Ok(reply) => {
                     return if let Some(pid) = reply.strip_prefix("pid ") {
                         pid.parse().map_err(|_| {
@@ -214,9 +227,15 @@ impl Launcher {
     }
 }
 
-/// Sends one request with its descriptors and waits for the one reply.
-fn ask(channel: &OwnedFd, request: &[u8], fds: &[RawFd]) -> std::io::Result<String> {
+/// Sends one request with its descriptors, runs `meanwhile`, and waits for the one reply.
+fn ask(
+    channel: &OwnedFd,
+    request: &[u8],
+    fds: &[RawFd],
+    meanwhile: &mut dyn FnMut(),
+) -> std::io::Result<String> {
     send_with_fds(channel.as_fd(), request, fds)?;
+    meanwhile();
     let mut buf = [0u8; 512];
     let n = loop {
         match nix::sys::socket::recv(channel.as_raw_fd(), &mut buf, MsgFlags::empty()) {
@@ -272,9 +291,17 @@ pub(super) fn zygote_main() -> i32 {
         }
     };
     let mut buf = [0u8; 512];
-    // A monitor forked ahead of need: a request then costs a message, not a fork. A new
-    // spare is forked once the zygote has been idle for a moment, never in a request's way.
+    // A monitor forked ahead of need: a request then costs a message, not a fork (nor a
+    // network namespace). A new spare is forked when no sandbox is being served, or else
+    // once the zygote has been idle for a moment: never in a starting sandbox's way.
     let mut spare: Option<(Pid, OwnedFd)> = None;
+    // Monitors handed a request and not yet reaped. A monitor may end before its pid 1
+    // (see `stage::monitor`): as a subreaper the zygote reaps those too.
+    let mut serving: Vec<Pid> = Vec::new();
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        eprintln!("sandbox zygote: prctl(PR_SET_CHILD_SUBREAPER): {e}");
+        return 2;
+    }
     loop {
         let request = {
             let mut ready = [
@@ -283,6 +310,8 @@ pub(super) fn zygote_main() -> i32 {
             ];
             let wait = if spare.is_some() {
                 PollTimeout::NONE
+            } else if serving.is_empty() {
+                PollTimeout::ZERO
             } else {
                 PollTimeout::from(5u8)
             };
@@ -308,7 +337,12 @@ pub(super) fn zygote_main() -> i32 {
         };
         // Signals of the same kind merge: read them all, then reap every ended child.
         while let Ok(Some(_)) = ended.read_signal() {}
-        reap();
+        for pid in reap() {
+            if spare.as_ref().is_some_and(|(p, _)| *p == pid) {
+                spare = None;
+            }
+            serving.retain(|p| *p != pid);
+        }
         if !request {
             continue;
         }
@@ -336,16 +370,23 @@ pub(super) fn zygote_main() -> i32 {
                         .map(|()| pid)
                 });
                 match handed {
-                    Some(pid) => format!("pid {pid}"),
+                    Some(pid) => {
+                        serving.push(pid);
+                        format!("pid {pid}")
+                    }
                     None => match fork_single_threaded() {
                         Ok(Forked::Child) => {
                             drop((channel, ended));
                             if sigchld.thread_unblock().is_err() {
                                 std::process::exit(2);
                             }
-                            std::process::exit(monitor_child(ids, control, log));
+                            let own_net = make_network_namespace();
+                            std::process::exit(monitor_child(ids, own_net, control, log));
                         }
-                        Ok(Forked::Parent(pid)) => format!("pid {pid}"),
+                        Ok(Forked::Parent(pid)) => {
+                            serving.push(pid);
+                            format!("pid {pid}")
+                        }
                         Err(e) => format!("error {e}"),
                     },
                 }
@@ -380,6 +421,7 @@ fn fork_spare(
             if sigchld.thread_unblock().is_err() {
                 std::process::exit(2);
             }
+            let own_net = make_network_namespace();
             let mut buf = [0u8; 512];
             let code = match receive(theirs.as_fd(), &mut buf) {
                 Ok((n, fds)) if n > 0 => {
@@ -387,7 +429,7 @@ fn fork_spare(
                     match parse(&request, fds) {
                         Ok((ids, control, log)) => {
                             drop(theirs);
-                            monitor_child(ids, control, log)
+                            monitor_child(ids, own_net, control, log)
                         }
                         Err(_) => 2,
                     }
@@ -464,38 +506,49 @@ fn parse(request: &str, fds: Vec<OwnedFd>) -> Result<Request, String> {
     Ok((ids, control, log))
 }
 
-/// Reaps every monitor that has ended, without waiting.
-fn reap() {
+/// Reaps every child that has ended (monitors, and the pid 1s that outlived their monitor
+/// and were handed to this subreaper), without waiting; returns their pids.
+fn reap() -> Vec<Pid> {
+    let mut ended = Vec::new();
     loop {
         match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) | Err(_) => return,
-            Ok(_) => {}
+            Ok(WaitStatus::StillAlive) | Err(_) => return ended,
+            Ok(status) => ended.extend(status.pid()),
         }
     }
 }
 
-/// In the forked child: become the sandbox uid and run the monitor.
-fn monitor_child(ids: Option<(Uid, Gid)>, control: OwnedFd, log: OwnedFd) -> i32 {
+/// In the forked child: run the monitor, which becomes the sandbox uid once it is in the
+/// attempt's cgroups.
+fn monitor_child(ids: Option<(Uid, Gid)>, own_net: bool, control: OwnedFd, log: OwnedFd) -> i32 {
     if nix::unistd::dup2_stderr(&log).is_err() {
         return 2;
     }
     drop(log);
-    if let Some((uid, gid)) = ids {
-        let switched = nix::unistd::setgroups(&[])
-            .and_then(|()| nix::unistd::setresgid(gid, gid, gid))
-            .and_then(|()| nix::unistd::setresuid(uid, uid, uid));
-        if let Err(e) = switched {
-            eprintln!("sandbox: becoming uid {uid}: {e}");
-            return 2;
-        }
-        // A change of uid makes the process undumpable, which leaves its /proc files to
-        // root; the monitor writes its own uid_map there.
-        if let Err(e) = nix::sys::prctl::set_dumpable(true) {
-            eprintln!("sandbox: prctl(PR_SET_DUMPABLE): {e}");
-            return 2;
-        }
-    }
-    super::stage::monitor_main(UnixStream::from(control))
+    super::stage::monitor_main(UnixStream::from(control), own_net, move || become_user(ids))
+}
+
+/// Puts this process (a monitor to be) into a new, empty network namespace, when it is
+/// root: the costliest namespace to make (~0.5 ms, most of a sandbox's kernel set-up), made
+/// here ahead of need for a spare. Owned by the host's user namespace, it is one the
+/// sandbox cannot configure at all. `false` when not made: the monitor then makes one in
+/// its own user namespace.
+fn make_network_namespace() -> bool {
+    nix::unistd::geteuid().is_root() && unshare(CloneFlags::CLONE_NEWNET).is_ok()
+}
+
+/// Becomes `ids` (uid, gid) with no supplementary groups, when given.
+fn become_user(ids: Option<(Uid, Gid)>) -> Result<(), String> {
+    let Some((uid, gid)) = ids else {
+        return Ok(());
+    };
+    nix::unistd::setgroups(&[])
+        .and_then(|()| nix::unistd::setresgid(gid, gid, gid))
+        .and_then(|()| nix::unistd::setresuid(uid, uid, uid))
+        .map_err(|e| format!("becoming uid {uid}: {e}"))?;
+    // A change of uid makes the process undumpable, which leaves its /proc files to root;
+    // the monitor writes its own uid_map there.
+    nix::sys::prctl::set_dumpable(true).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))
 }
 
 #[cfg(test)]

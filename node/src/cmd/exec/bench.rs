@@ -335,25 +335,27 @@ fn one_run(
         devices: Vec::new(),
     };
     // Timed from here (the attempt directory is staging, made before and removed after):
-    // as the executor does, the monitor starts while the cgroups are made.
+    // as the executor does, the cgroups are made while the zygote hands out the monitor.
     let t = Instant::now();
-    let starting = sandbox::launch(launcher, &spec, switch.map(|u| (u, u)))?;
-    let cg = cgroups.create(
-        "run",
-        &CgroupLimits {
-            memory_bytes: 64 << 20,
-            swap_bytes: 0,
-            processes: 16,
-            cpu_millicores: 1000,
-        },
-    )?;
+    let limits = CgroupLimits {
+        memory_bytes: 64 << 20,
+        swap_bytes: 0,
+        processes: 16,
+        cpu_millicores: 1000,
+    };
+    let (starting, cg) = sandbox::launch(launcher, &spec, switch.map(|u| (u, u)), || {
+        cgroups.create("run", &limits)
+    })?;
+    let cg = cg?;
     let mut launch = starting.enter(&cg)?;
     let (pid, reported) = launch.wait_ready(Duration::from_secs(10))?;
     sandbox::check_running(pid, &cg, &[], &reported).map_err(|e| anyhow::anyhow!(e))?;
     launch.go()?;
     launch.wait_exit()?;
+    // As the executor does: the monitor has reported; its exit is waited for, and only a
+    // tree that does not end by itself is killed.
     anyhow::ensure!(
-        cg.kill_and_confirm(Duration::from_secs(5)),
+        cg.wait_empty(Duration::from_secs(2)) || cg.kill_and_confirm(Duration::from_secs(5)),
         "the sandbox did not empty"
     );
     cg.remove()?;
