@@ -232,11 +232,17 @@ fn monitor(
     let mut report: Option<String> = None;
     let mut status = None;
     let mut drain_until: Option<Instant> = None;
+    let mut log_buf = vec![0u8; 64 * 1024];
     loop {
         let now = Instant::now();
         let wake = drain_until.unwrap_or(next_lease_check);
         let listen = report.is_none().then(|| ours.as_fd());
-        let reported = poll_io(&mut logs, listen, wake.saturating_duration_since(now));
+        let reported = poll_io(
+            &mut logs,
+            listen,
+            wake.saturating_duration_since(now),
+            &mut log_buf,
+        );
         if reported {
             // Pid 1 sends its report and ends; or the socket closed because it ended.
             let n = receive(ours.as_fd(), &mut buf).map_or(0, |(n, _)| n);
@@ -371,11 +377,15 @@ impl Log {
 }
 
 /// Waits up to `timeout` for output on the open logs or for a message on `control`, and
-/// copies the output that came. Returns whether `control` has something to read (or
-/// closed).
-fn poll_io(logs: &mut [Log; 2], control: Option<BorrowedFd<'_>>, timeout: Duration) -> bool {
+/// copies the output that came through `buf`. Returns whether `control` has something to
+/// read (or closed).
+fn poll_io(
+    logs: &mut [Log; 2],
+    control: Option<BorrowedFd<'_>>,
+    timeout: Duration,
+    buf: &mut [u8],
+) -> bool {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    let mut buf = vec![0u8; 64 * 1024];
     let millis = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
     let (ready, control_ready) = {
         let mut fds: Vec<PollFd<'_>> = logs
@@ -402,7 +412,7 @@ fn poll_io(logs: &mut [Log; 2], control: Option<BorrowedFd<'_>>, timeout: Durati
     let mut it = ready.into_iter();
     for log in logs.iter_mut().filter(|l| l.open) {
         if it.next().unwrap_or(false) {
-            log.drain(&mut buf);
+            log.drain(buf);
         }
     }
     control_ready
