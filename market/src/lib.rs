@@ -16,7 +16,6 @@
 //!   epochs, renewals, retries within the budget, cancellation, task graphs.
 //! - [`lease`]: the worker's side of leases.
 //! - [`spec`]: the job file.
-//! - [`api`]: the data the node's local API serves about it.
 //!
 //! ```
 //! use cannabis_market::{View, ViewConfig, Verdict};
@@ -29,17 +28,18 @@
 //! ```
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
-pub mod api;
 pub mod job;
 pub mod lease;
 pub mod matching;
 pub mod placement;
 pub mod quote;
 pub mod spec;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
-pub mod units;
+
 mod view;
 
+pub use spec::OfferTemplate;
 pub use view::{
     AdEntry, Expired, IgnoreReason, OfferEntry, RejectReason, Verdict, View, ViewConfig,
 };

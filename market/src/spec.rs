@@ -9,12 +9,11 @@ use std::collections::BTreeMap;
 use cannabis_protocol::{
     AcceptanceMetric, AdapterKind, Address, Amount, Collective, Comparison, Digest, Fixed,
     GpuVendor, InputRef, IsolationLayer, OutputDecl, OutputRights, Requirements, Resources,
-    RuntimeRequirement, TaskInput, TaskSpec, Workload, is_safe_name,
+    RuntimeRequirement, TaskInput, TaskSpec, Uuid, Workload, is_safe_name,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-use crate::api::OfferTemplate;
-use crate::units::{parse_duration_ms, parse_size};
+use cannabis_protocol::units::{parse_duration_ms, parse_size};
 
 /// Default time bids are taken.
 pub const DEFAULT_BID_WINDOW_MS: u64 = 30_000;
@@ -50,6 +49,33 @@ pub enum Source {
     },
     /// A local file; the caller hashes it.
     Path(String),
+}
+
+/// `POST /v1/offers`: what a requester fills in to publish an offer; the node adds its identity, sequence
+/// number, times and delivery recipient, then signs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OfferTemplate {
+    /// A name for people; kept by the requester's node, not published.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// A job id to use; a random one when absent.
+    #[serde(default)]
+    pub job_id: Option<Uuid>,
+    /// The tasks; the budget is their sum.
+    pub tasks: Vec<TaskSpec>,
+    /// How long bids are taken, in milliseconds.
+    pub ttl_ms: u64,
+    /// When results are due, in milliseconds from now.
+    pub deadline_ms: u64,
+    /// Review window in milliseconds.
+    pub review_window_ms: u64,
+    /// Acceptance metrics.
+    #[serde(default)]
+    pub acceptance: Vec<AcceptanceMetric>,
+    /// Who receives the 1% fee; this node when absent.
+    #[serde(default)]
+    pub fee_recipient: Option<Address>,
 }
 
 /// A parsed, checked job file, waiting for its local files to be hashed.

@@ -14,7 +14,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cannabis_market::api::{self, ApiError};
+use cannabis_api::{self as api, ApiError};
 use serde::Deserialize;
 
 use crate::keystore;

@@ -247,7 +247,7 @@ pub(crate) struct RunArgs {
 }
 
 fn duration_ms(text: &str) -> Result<u64, String> {
-    cannabis_market::units::parse_duration_ms(text).map_err(|e| e.to_string())
+    cannabis_protocol::units::parse_duration_ms(text).map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Subcommand)]

@@ -8,7 +8,7 @@ mod gossip;
 mod handle;
 mod jobs;
 
-pub use cannabis_market::api::OfferTemplate;
+pub use cannabis_api::OfferTemplate;
 pub use handle::NodeHandle;
 
 use std::collections::HashMap;
@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
-use cannabis_market::{View, ViewConfig, api};
+use cannabis_api as api;
+use cannabis_market::{View, ViewConfig};
 use cannabis_protocol::{Address, MarketResponse, Timestamp};
 use futures::StreamExt as _;
 use libp2p::request_response::OutboundRequestId;

@@ -46,6 +46,7 @@ mod money;
 mod signed;
 pub mod synthetic;
 mod types;
+pub mod units;
 
 pub use bytes::{Digest, HexError, PublicKeyBytes, SignatureBytes};
 pub use codec::{

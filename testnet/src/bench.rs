@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use cannabis_market::api::OfferTemplate;
+use cannabis_api::OfferTemplate;
 use cannabis_protocol::{AdapterKind, Amount, Digest, Requirements, Resources, TaskSpec, Workload};
 use serde::Serialize;
 

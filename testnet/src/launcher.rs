@@ -11,7 +11,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{ApiClient, NodeInfo};
+use cannabis_api::{ApiClient, NodeInfo};
 
 /// How to start a testnet.
 #[derive(Clone, Debug)]

@@ -1,13 +1,11 @@
-//! Local testnets: a launcher of real `cannabis` node processes on loopback, a client of
-//! their local API, and benchmarks over them. (The deterministic simulator of many sans-IO
-//! market nodes joins it with the market.)
+//! Local testnets: a launcher of real `cannabis` node processes on loopback, benchmarks over
+//! them (their local API's client is `cannabis-api`), and the deterministic simulator that
+//! drives many nodes' market engines in virtual time.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod bench;
-pub mod client;
 pub mod launcher;
 pub mod sim;
 pub mod stats;
 
-pub use client::ApiClient;
 pub use launcher::{Testnet, TestnetOptions};

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use cannabis_api::ApiClient;
 use cannabis_market::spec::{JobSpec, Source};
 use cannabis_node::api::exec::{ControlBody, ExecStatus, RetryBody};
 use cannabis_node::store::Store;
@@ -15,7 +16,6 @@ use cannabis_runtime::exec::{
     Attempt, AttemptRequest, AttemptState, Chunk, Cleanup, Control, Executor, LimitsFile, Renewal,
     describe_exit, layer_name,
 };
-use cannabis_testnet::ApiClient;
 
 use crate::cli::{ExecCommand, ExecRunArgs};
 use crate::output::{self, out};

@@ -4,11 +4,11 @@ use std::io::{BufRead as _, Write as _};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use cannabis_market::api::{JobDetail, TaskExplanation};
+use cannabis_api::ApiClient;
+use cannabis_api::{JobDetail, TaskExplanation};
 use cannabis_market::job::{LeaseState, TaskStatus};
 use cannabis_market::spec::JobSpec;
 use cannabis_protocol::{Digest, FOUNDER_FEE_BPS, Quote};
-use cannabis_testnet::ApiClient;
 use sha2::{Digest as _, Sha256};
 
 use crate::cli::JobCommand;

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use cannabis_testnet::ApiClient;
+use cannabis_api::ApiClient;
 
 use crate::cli::MarketCommand;
 use crate::output::{self, out};

@@ -4,10 +4,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use cannabis_api::ApiClient;
 use cannabis_node::keystore::{self, KeyPaths};
 use cannabis_node::logging::{self, LogFormat};
 use cannabis_node::{NodeConfig, api};
-use cannabis_testnet::ApiClient;
 use tracing::info;
 
 use crate::cli::{NodeCommand, RunArgs};

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use cannabis_market::api::ChallengeReport;
+use cannabis_api::ChallengeReport;
 use cannabis_protocol::challenge::{Challenge, Claim, Sizing};
 use std::collections::BTreeMap;
 

@@ -2,7 +2,8 @@
 //! offers.
 
 use anyhow::Context as _;
-use cannabis_market::{Verdict, api};
+use cannabis_api as api;
+use cannabis_market::Verdict;
 use cannabis_protocol::{
     AdapterKind, Amount, CapabilityAd, FOUNDER_FEE_BPS, FeeTerms, JobOffer, Signed, Uuid,
 };

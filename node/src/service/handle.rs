@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use anyhow::Context as _;
-use cannabis_market::api::{self, OfferTemplate};
+use cannabis_api::{self as api, OfferTemplate};
 use cannabis_protocol::{Address, MarketRequest, MarketResponse};
 use libp2p::{Multiaddr, PeerId};
 use tokio::sync::{mpsc, oneshot};

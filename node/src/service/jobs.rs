@@ -4,7 +4,7 @@
 //! (`cannabis_market::lease::Leases`). The state machines decide; this module signs,
 //! sends, and feeds answers back.
 
-use cannabis_market::api::{self, OfferTemplate};
+use cannabis_api::{self as api, OfferTemplate};
 use cannabis_market::job::{Action, Job, TaskStatus};
 use cannabis_market::lease::AssignmentKey;
 use cannabis_market::matching;

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use cannabis_api::ApiClient;
 use cannabis_protocol::{AdapterKind, Amount, Digest, Requirements, Resources, TaskSpec, Workload};
 use cannabis_runtime::exec::{Attempt, AttemptRequest, AttemptState, Cleanup, Renewal};
-use cannabis_testnet::ApiClient;
 
 use super::exec::{open_dir, wait_for};
 

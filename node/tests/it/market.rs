@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use cannabis_market::api::{JobDetail, OfferTemplate};
+use cannabis_api::{JobDetail, OfferTemplate};
 use cannabis_market::job::{JobState, LeaseState, TaskStatus};
 use cannabis_market::spec::JobSpec;
 

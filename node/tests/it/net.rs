@@ -4,7 +4,7 @@ use std::future::Future;
 use std::path::Path;
 use std::time::Duration;
 
-use cannabis_market::api::OfferTemplate;
+use cannabis_api::OfferTemplate;
 use cannabis_node::keystore::{self, KeyPaths};
 use cannabis_node::{NodeConfig, NodeHandle};
 use libp2p::Multiaddr;

@@ -3,8 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
-use cannabis_market::units::parse_size;
 use cannabis_protocol::AdapterKind;
+use cannabis_protocol::units::parse_size;
 use serde::{Deserialize, Serialize};
 
 /// Default path of the administrator's ceilings.

@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crate::types as api;
 use anyhow::Context as _;
-use cannabis_market::api;
 use serde::de::DeserializeOwned;
 
 /// A client of one node's local API.

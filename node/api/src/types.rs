@@ -1,12 +1,11 @@
-//! The data a node's local API serves, shared by the node (server), the CLI and the
-//! testnet tools (clients). JSON over HTTP on loopback; see `docs/operator-guide.md`.
+//! The data a node's local API serves (JSON over HTTP on loopback; see
+//! `docs/operator-guide.md`).
 
-use cannabis_protocol::{
-    AcceptanceMetric, AdapterKind, Address, Amount, PriceSheet, Runtime, TaskSpec, Uuid,
-};
+use cannabis_protocol::{AdapterKind, Amount, PriceSheet, Runtime};
 use serde::{Deserialize, Serialize};
 
-use crate::{AdEntry, OfferEntry};
+pub use cannabis_market::OfferTemplate;
+use cannabis_market::{AdEntry, OfferEntry};
 
 /// `GET /v1/status`
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -220,7 +219,7 @@ pub struct JobSummary {
     /// A name for people.
     pub name: String,
     /// Overall state.
-    pub state: crate::job::JobState,
+    pub state: cannabis_market::job::JobState,
     /// What each task is doing, in task order (e.g. `running`, `bidding`).
     pub tasks: Vec<String>,
     /// Total budget, fee included.
@@ -243,7 +242,7 @@ pub struct JobDetail {
     /// Per task.
     pub tasks: Vec<TaskDetail>,
     /// What happened, oldest first.
-    pub history: Vec<crate::job::Event>,
+    pub history: Vec<cannabis_market::job::Event>,
     /// Budget not spent (what goes back once the job is over).
     pub refund: Amount,
 }
@@ -254,7 +253,7 @@ pub struct TaskDetail {
     /// Name.
     pub name: String,
     /// Status and, when it ended, why.
-    pub status: crate::job::TaskStatus,
+    pub status: cannabis_market::job::TaskStatus,
     /// Workers the task needs at once.
     pub group_size: u32,
     /// Its budget.
@@ -268,13 +267,13 @@ pub struct TaskDetail {
     /// Workers that declined, with their reasons.
     pub declines: Vec<(String, String)>,
     /// The current attempt, one per rank.
-    pub ranks: Vec<crate::job::Assignment>,
+    pub ranks: Vec<cannabis_market::job::Assignment>,
     /// Placements made.
     pub attempts: u32,
     /// Runs that failed after their leases became current.
     pub failures: u32,
     /// When nobody has bid (or nobody could be placed): how the known ads match.
-    pub explanation: Option<crate::matching::Explanation>,
+    pub explanation: Option<cannabis_market::matching::Explanation>,
 }
 
 /// `POST /v1/jobs/explain`: how each task of a template matches the ads this node knows.
@@ -283,7 +282,7 @@ pub struct TaskExplanation {
     /// Task name.
     pub task: String,
     /// The explanation.
-    pub explanation: crate::matching::Explanation,
+    pub explanation: cannabis_market::matching::Explanation,
 }
 
 /// `GET /v1/leases`: a lease this node holds (or held lately) as a worker.
@@ -296,7 +295,7 @@ pub struct HeldLease {
     /// Rank.
     pub rank: u32,
     /// The lease.
-    pub lease: crate::lease::Lease,
+    pub lease: cannabis_market::lease::Lease,
 }
 
 /// An error body.
@@ -304,33 +303,6 @@ pub struct HeldLease {
 pub struct ApiError {
     /// What went wrong and what to do.
     pub error: String,
-}
-
-/// `POST /v1/offers`: what a requester fills in to publish an offer; the node adds its identity, sequence
-/// number, times and delivery recipient, then signs.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OfferTemplate {
-    /// A name for people; kept by the requester's node, not published.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// A job id to use; a random one when absent.
-    #[serde(default)]
-    pub job_id: Option<Uuid>,
-    /// The tasks; the budget is their sum.
-    pub tasks: Vec<TaskSpec>,
-    /// How long bids are taken, in milliseconds.
-    pub ttl_ms: u64,
-    /// When results are due, in milliseconds from now.
-    pub deadline_ms: u64,
-    /// Review window in milliseconds.
-    pub review_window_ms: u64,
-    /// Acceptance metrics.
-    #[serde(default)]
-    pub acceptance: Vec<AcceptanceMetric>,
-    /// Who receives the 1% fee; this node when absent.
-    #[serde(default)]
-    pub fee_recipient: Option<Address>,
 }
 
 /// `POST /v1/peers/{peer}/challenge` answer: a capability challenge this node set a peer.
