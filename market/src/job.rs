@@ -9,7 +9,7 @@
 //! - each assignment (task, rank) has at most one live lease, and every award for it
 //!   carries a higher epoch than the one before (the fencing token);
 //! - a task never commits or spends more than its budget: a retry re-places only within
-//!   `budget - spent - committed`;
+//!   `budget - spent - committed`, and every change of those sums is checked arithmetic;
 //! - every job ends in a defined state, at the latest at its deadline.
 //!
 //! A lease starts short: an award expires `award_timeout_ms` after it is issued unless the
@@ -17,16 +17,20 @@
 //! nothing by the time the assignment is retried elsewhere. The requester counts a lease
 //! as extended only when the worker acknowledged the renewal ([`Job::on_renewed`]): a
 //! worker that went away lets its lease run out on both sides, and the task is retried.
+//!
+//! Placement waits for the end of the bid window unless the job asks to be placed early
+//! ([`Early`]): as soon as enough acceptable bids are in.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, Decline, Digest, JobOffer, LeaseAccept, LeaseRenewal,
-    NamedDigest, Rendezvous, RosterEntry, TaskInput, Timestamp, Uuid, message_id,
+    MoneyError, NamedDigest, Rendezvous, RosterEntry, TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::placement::{self, Candidate, Class, Slot};
+use crate::Refusal;
+use crate::placement::{self, Candidate, Class, Infeasible, Slot};
 
 /// Timing of leases.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,6 +59,17 @@ impl Default for LeaseConfig {
     }
 }
 
+/// When a task is placed before its bid window ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Early {
+    /// As soon as this many valid bids are in (at least the group size): the cheapest
+    /// placement among them is taken.
+    FirstBids(u32),
+    /// As soon as a whole placement can be made of bids at or below this price per rank.
+    PriceAtMost(Amount),
+}
+
 /// What the node does for a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
@@ -68,6 +83,55 @@ pub enum Action {
         to: Vec<Address>,
         /// The cancellation.
         cancel: Cancel,
+    },
+}
+
+/// Why a task failed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(rename_all = "kebab-case")]
+pub enum Failure {
+    /// No placement could be made from the bids.
+    #[error("cannot be placed: {why}{}", declined_note(*.declined))]
+    Unplaceable {
+        /// Why.
+        why: Infeasible,
+        /// Workers that declined, with a signed reason.
+        declined: usize,
+    },
+    /// Too many runs failed after their leases became current.
+    #[error("gave up after {failures} failed runs")]
+    GaveUp {
+        /// Runs that failed.
+        failures: u32,
+    },
+    /// The deadline passed.
+    #[error("the deadline passed")]
+    DeadlinePassed,
+    /// The money of the task did not add up (a defect; the task stops rather than pay).
+    #[error("accounting: {0}")]
+    Money(MoneyError),
+}
+
+fn declined_note(declined: usize) -> String {
+    if declined > 0 {
+        format!(" ({declined} declined)")
+    } else {
+        String::new()
+    }
+}
+
+/// Why a task was cancelled.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(rename_all = "kebab-case")]
+pub enum Cancellation {
+    /// The requester cancelled the job.
+    #[error("cancelled by the requester")]
+    ByRequester,
+    /// A task it depends on failed.
+    #[error("a task it depends on ({task}) failed")]
+    DependencyFailed {
+        /// That task's name.
+        task: String,
     },
 }
 
@@ -86,9 +150,9 @@ pub enum TaskStatus {
     /// Every rank delivered.
     Done,
     /// It cannot complete.
-    Failed(String),
+    Failed(Failure),
     /// The requester cancelled it, or a task it depends on failed.
-    Cancelled(String),
+    Cancelled(Cancellation),
 }
 
 impl TaskStatus {
@@ -99,13 +163,36 @@ impl TaskStatus {
             TaskStatus::Done | TaskStatus::Failed(_) | TaskStatus::Cancelled(_)
         )
     }
+
+    /// One word for tables: `running`, `bidding`, ...
+    pub fn word(&self) -> &'static str {
+        match self {
+            TaskStatus::Waiting => "waiting",
+            TaskStatus::Bidding => "bidding",
+            TaskStatus::Leasing => "leasing",
+            TaskStatus::Running => "running",
+            TaskStatus::Done => "done",
+            TaskStatus::Failed(_) => "failed",
+            TaskStatus::Cancelled(_) => "cancelled",
+        }
+    }
+}
+
+impl std::fmt::Display for TaskStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TaskStatus::Failed(why) => write!(f, "failed: {why}"),
+            TaskStatus::Cancelled(why) => write!(f, "cancelled: {why}"),
+            other => f.write_str(other.word()),
+        }
+    }
 }
 
 /// Where one rank's lease stands.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum LeaseState {
-    /// Awarded; the worker has until `until` to countersign.
+    /// Awarded; the worker has until `expires_at` to countersign.
     Offered,
     /// Countersigned and renewed; current until `expires_at`.
     Current,
@@ -142,30 +229,72 @@ pub struct Assignment {
 /// One task's state.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Task {
-    /// Status.
-    pub status: TaskStatus,
+    status: TaskStatus,
     /// Valid bids, newest per worker.
-    pub bids: BTreeMap<Address, Candidate>,
+    bids: BTreeMap<Address, Candidate>,
     /// Signed reasons of workers that declined.
-    pub declines: BTreeMap<Address, String>,
+    declines: BTreeMap<Address, String>,
     /// Workers whose assignment ended without delivering; not placed again.
-    pub excluded: BTreeSet<Address>,
+    excluded: BTreeSet<Address>,
     /// The current attempt, one per rank.
-    pub ranks: Vec<Assignment>,
-    /// Placements made.
-    pub attempts: u32,
-    /// Runs that failed after their leases became current.
-    pub failures: u32,
-    /// Prices of live assignments.
-    pub committed: Amount,
-    /// Prices of delivered assignments.
-    pub spent: Amount,
-    /// The task's budget.
-    pub budget: Amount,
-    /// Digests of the outputs it delivered, by name.
-    pub outputs: BTreeMap<String, Digest>,
+    ranks: Vec<Assignment>,
+    attempts: u32,
+    failures: u32,
+    committed: Amount,
+    spent: Amount,
+    budget: Amount,
+    outputs: BTreeMap<String, Digest>,
     /// The last epoch issued per rank.
     epochs: Vec<u64>,
+    /// When its bid window opened (for tasks of a graph, when their dependencies ended).
+    bidding_since: Option<Timestamp>,
+}
+
+impl Task {
+    /// Status.
+    pub fn status(&self) -> &TaskStatus {
+        &self.status
+    }
+    /// Valid bids held, one per worker.
+    pub fn bids(&self) -> impl Iterator<Item = &Candidate> {
+        self.bids.values()
+    }
+    /// Number of bids held.
+    pub fn bid_count(&self) -> usize {
+        self.bids.len()
+    }
+    /// Signed reasons of workers that declined, by worker.
+    pub fn declines(&self) -> &BTreeMap<Address, String> {
+        &self.declines
+    }
+    /// The current attempt, one assignment per rank.
+    pub fn ranks(&self) -> &[Assignment] {
+        &self.ranks
+    }
+    /// Placements made.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+    /// Runs that failed after their leases became current.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+    /// Prices of live assignments.
+    pub fn committed(&self) -> Amount {
+        self.committed
+    }
+    /// Prices of delivered assignments.
+    pub fn spent(&self) -> Amount {
+        self.spent
+    }
+    /// The task's budget.
+    pub fn budget(&self) -> Amount {
+        self.budget
+    }
+    /// Digests of the outputs it delivered, by name.
+    pub fn outputs(&self) -> &BTreeMap<String, Digest> {
+        &self.outputs
+    }
 }
 
 /// A line of the job's history, for `cannabis job status`.
@@ -193,6 +322,25 @@ pub enum JobState {
     Cancelled,
 }
 
+/// How a job takes bids: when it places, and how many bids per task it keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bidding {
+    /// Place before the window ends, when this says so.
+    pub early: Option<Early>,
+    /// Most bids kept per task: a cheaper bid pushes out the dearest, a dearer one is
+    /// refused.
+    pub keep: u32,
+}
+
+impl Default for Bidding {
+    fn default() -> Self {
+        Self {
+            early: None,
+            keep: 64,
+        }
+    }
+}
+
 /// The requester's state machine for one job.
 ///
 /// It serializes (serde) so the node can keep it durably: the node saves a job before it
@@ -200,25 +348,35 @@ pub enum JobState {
 /// crash.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Job {
-    /// The offer as published.
-    pub offer: JobOffer,
-    /// Its message id.
-    pub offer_id: Digest,
-    /// Lease timing.
-    pub config: LeaseConfig,
-    /// Per task, in the offer's order.
-    pub tasks: Vec<Task>,
-    /// What happened, in order.
-    pub history: Vec<Event>,
+    offer: JobOffer,
+    /// The message id of the offer as last published.
+    offer_id: Digest,
+    /// Earlier versions of the offer (a widened call is a new version): bids for them count.
+    earlier: Vec<Digest>,
+    name: String,
+    config: LeaseConfig,
+    bidding: Bidding,
+    tasks: Vec<Task>,
+    history: Vec<Event>,
     cancelled: bool,
 }
 
 /// Most history lines kept per job.
 const MAX_HISTORY: usize = 1000;
 
+/// Longest decline reason kept, in bytes.
+const MAX_REASON: usize = 200;
+
 impl Job {
     /// A job for a published offer. Tasks with no dependencies take bids at once.
-    pub fn new(offer: JobOffer, offer_id: Digest, config: LeaseConfig, now: Timestamp) -> Self {
+    pub fn new(
+        offer: JobOffer,
+        offer_id: Digest,
+        name: String,
+        config: LeaseConfig,
+        bidding: Bidding,
+        now: Timestamp,
+    ) -> Self {
         let tasks = offer
             .tasks
             .iter()
@@ -239,12 +397,16 @@ impl Job {
                 budget: t.budget,
                 outputs: BTreeMap::new(),
                 epochs: vec![0; t.group_size.max(1) as usize],
+                bidding_since: t.depends_on.is_empty().then_some(now),
             })
             .collect();
         let mut job = Self {
             offer,
             offer_id,
+            earlier: Vec::new(),
+            name,
             config,
+            bidding,
             tasks,
             history: Vec::new(),
             cancelled: false,
@@ -256,6 +418,41 @@ impl Job {
     /// The job id.
     pub fn id(&self) -> Uuid {
         self.offer.job_id
+    }
+
+    /// The offer as last published.
+    pub fn offer(&self) -> &JobOffer {
+        &self.offer
+    }
+
+    /// The message id of the offer as last published.
+    pub fn offer_id(&self) -> Digest {
+        self.offer_id
+    }
+
+    /// Whether `id` is a version of this job's offer.
+    pub fn is_version(&self, id: &Digest) -> bool {
+        self.offer_id == *id || self.earlier.contains(id)
+    }
+
+    /// A name for people.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How the job takes bids.
+    pub fn bidding(&self) -> Bidding {
+        self.bidding
+    }
+
+    /// Per task, in the offer's order.
+    pub fn tasks(&self) -> &[Task] {
+        &self.tasks
+    }
+
+    /// What happened, oldest first.
+    pub fn history(&self) -> &[Event] {
+        &self.history
     }
 
     fn log(&mut self, at: Timestamp, task: Option<u32>, text: String) {
@@ -280,119 +477,193 @@ impl Job {
     }
 
     /// Budget committed to live leases plus spent on deliveries, over all tasks.
-    pub fn used(&self) -> Amount {
-        Amount(
-            self.tasks
-                .iter()
-                .map(|t| t.committed.0.saturating_add(t.spent.0))
-                .fold(0u64, u64::saturating_add),
-        )
+    pub fn used(&self) -> Result<Amount, MoneyError> {
+        let mut used = Amount(0);
+        for t in &self.tasks {
+            used = used.checked_add(t.committed)?.checked_add(t.spent)?;
+        }
+        Ok(used)
     }
 
     /// What goes back to the requester once the job is over: the budget not spent.
-    pub fn refund(&self) -> Amount {
-        let spent = self
-            .tasks
-            .iter()
-            .map(|t| t.spent.0)
-            .fold(0u64, u64::saturating_add);
-        Amount(self.offer.budget.0.saturating_sub(spent))
+    pub fn refund(&self) -> Result<Amount, MoneyError> {
+        let spent = Amount::sum(self.tasks.iter().map(|t| &t.spent))?;
+        self.offer.budget.checked_sub(spent)
     }
 
-    /// A verified bid, with the worker's compatibility class for the task (from its ad).
+    /// The budget one rank of task `task` may be paid.
+    pub fn share(&self, task: u32) -> Option<Amount> {
+        let spec = self.offer.tasks.get(task as usize)?;
+        Some(Amount(spec.budget.0 / u64::from(spec.group_size.max(1))))
+    }
+
+    /// A bid whose signature, sender, draw and worker's ad the caller checked, with the
+    /// worker's compatibility class for the task (from its ad). Returns what placing early
+    /// asked for, if this bid completed an early placement.
     pub fn on_bid(
         &mut self,
         bid: Bid,
         id: Digest,
         class: Class,
         now: Timestamp,
-    ) -> Result<(), String> {
-        if bid.job_id != self.offer.job_id {
-            return Err(format!("bid for another job {}", bid.job_id));
+    ) -> Result<Vec<Action>, Refusal> {
+        self.admit_bid(&bid, now)?;
+        let index = bid.task;
+        let task = &mut self.tasks[index as usize];
+        let keep = self.bidding.keep.max(1) as usize;
+        if !task.bids.contains_key(&bid.worker) && task.bids.len() >= keep {
+            // Full: a cheaper bid pushes out the dearest, anything else is refused.
+            let dearest = task
+                .bids
+                .values()
+                .max_by(|a, b| (a.bid.price, a.bid.worker).cmp(&(b.bid.price, b.bid.worker)))
+                .map(|c| (c.bid.price, c.bid.worker));
+            match dearest {
+                Some((price, worker)) if bid.price < price => {
+                    task.bids.remove(&worker);
+                }
+                _ => {
+                    return Err(Refusal::Outbid {
+                        task: index,
+                        kept: task.bids.len(),
+                    });
+                }
+            }
         }
-        if bid.offer != self.offer_id {
-            return Err("the bid answers another version of the offer".into());
+        let (worker, price) = (bid.worker, bid.price);
+        task.bids.insert(bid.worker, Candidate { bid, id, class });
+        self.log(now, Some(index), format!("bid {price} from {worker}"));
+        let mut actions = Vec::new();
+        if self.tasks[index as usize].status == TaskStatus::Bidding
+            && self.early_ready(index as usize, now)
+        {
+            self.place(index as usize, now, &mut actions);
+        }
+        Ok(actions)
+    }
+
+    /// The checks a bid must pass before it is kept, cheapest first: for this job, this
+    /// offer, a live quote, a task that exists and is not over, within the share, newer
+    /// than what the worker sent before. (The draw is checked by the engine, which knows
+    /// the call.)
+    pub fn admit_bid(&self, bid: &Bid, now: Timestamp) -> Result<(), Refusal> {
+        if bid.job_id != self.offer.job_id {
+            return Err(Refusal::UnknownJob(bid.job_id));
+        }
+        if !self.is_version(&bid.offer) {
+            return Err(Refusal::OtherVersion);
         }
         if bid.valid_until <= now {
-            return Err("the bid has expired".into());
+            return Err(Refusal::BidExpired);
         }
-        let spec = self
-            .offer
-            .tasks
-            .get(bid.task as usize)
-            .ok_or_else(|| format!("the offer has no task {}", bid.task))?;
-        let share = spec.budget.0 / u64::from(spec.group_size.max(1));
-        if bid.price.0 > share {
-            return Err(format!(
-                "price {} is above the task's budget of {share} per worker",
-                bid.price
-            ));
+        let share = self.share(bid.task).ok_or(Refusal::NoSuchTask {
+            job: bid.job_id,
+            task: bid.task,
+        })?;
+        if bid.price > share {
+            return Err(Refusal::AboveShare {
+                price: bid.price,
+                share,
+            });
         }
-        let task = &mut self.tasks[bid.task as usize];
+        let task = &self.tasks[bid.task as usize];
         if task.status.is_final() {
-            return Err(format!("task {} is over", bid.task));
+            return Err(Refusal::TaskOver(bid.task));
         }
         if let Some(held) = task.bids.get(&bid.worker)
             && held.bid.issued_at >= bid.issued_at
         {
-            return Err("an equal or newer bid from this worker is held".into());
+            return Err(Refusal::DuplicateBid);
         }
-        let (index, worker, price) = (bid.task, bid.worker, bid.price);
-        task.bids.insert(bid.worker, Candidate { bid, id, class });
-        self.log(now, Some(index), format!("bid {price} from {worker}"));
         Ok(())
     }
 
-    /// A verified decline.
-    pub fn on_decline(&mut self, decline: Decline, now: Timestamp) -> Result<(), String> {
-        if decline.job_id != self.offer.job_id || decline.offer != self.offer_id {
-            return Err("the decline names another job or offer".into());
-        }
-        let Some(task) = self.tasks.get_mut(decline.task as usize) else {
-            return Err(format!("the offer has no task {}", decline.task));
+    /// Whether task `i`, still bidding, can be placed before its window ends.
+    fn early_ready(&self, i: usize, now: Timestamp) -> bool {
+        let Some(early) = self.bidding.early else {
+            return false;
         };
-        task.declines.insert(decline.worker, decline.reason.clone());
-        self.log(
-            now,
-            Some(decline.task),
-            format!("{} declined: {}", decline.worker, decline.reason),
-        );
+        let spec = &self.offer.tasks[i];
+        let task = &self.tasks[i];
+        let Ok(left) = self.left(i) else {
+            return false;
+        };
+        let valid = || {
+            task.bids
+                .values()
+                .filter(|c| c.bid.valid_until > now && !task.excluded.contains(&c.bid.worker))
+        };
+        match early {
+            Early::FirstBids(n) => {
+                valid().count() >= n.max(spec.group_size) as usize
+                    && placement::place(spec, valid(), &task.excluded, left, now).is_ok()
+            }
+            Early::PriceAtMost(cap) => {
+                let cheap = valid().filter(|c| c.bid.price <= cap);
+                placement::place(spec, cheap, &task.excluded, left, now).is_ok()
+            }
+        }
+    }
+
+    /// A decline whose signature and sender the caller checked. A worker's first decline
+    /// is logged; later ones only replace its reason.
+    pub fn on_decline(&mut self, decline: Decline, now: Timestamp) -> Result<(), Refusal> {
+        if decline.job_id != self.offer.job_id {
+            return Err(Refusal::UnknownJob(decline.job_id));
+        }
+        if !self.is_version(&decline.offer) {
+            return Err(Refusal::OtherVersion);
+        }
+        let task_index = decline.task;
+        let Some(task) = self.tasks.get_mut(task_index as usize) else {
+            return Err(Refusal::NoSuchTask {
+                job: decline.job_id,
+                task: task_index,
+            });
+        };
+        let mut reason = decline.reason;
+        if reason.len() > MAX_REASON {
+            let mut cut = MAX_REASON;
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            reason.truncate(cut);
+        }
+        let first = task
+            .declines
+            .insert(decline.worker, reason.clone())
+            .is_none();
+        if first {
+            self.log(
+                now,
+                Some(task_index),
+                format!("{} declined: {reason}", decline.worker),
+            );
+        }
         Ok(())
     }
 
-    /// A verified countersignature. It makes the lease current only for the rank's current
-    /// epoch, from its worker, for the award sent, while the award is still open.
+    /// A countersignature whose signature and sender the caller checked. It makes the lease
+    /// current only for the rank's current epoch, from its worker, for the award sent,
+    /// while the award is still open.
     pub fn on_accept(
         &mut self,
         accept: &LeaseAccept,
         now: Timestamp,
-    ) -> Result<Vec<Action>, String> {
+    ) -> Result<Vec<Action>, Refusal> {
         if accept.job_id != self.offer.job_id {
-            return Err("acceptance for another job".into());
+            return Err(Refusal::UnknownJob(accept.job_id));
         }
         let renew_to = now.plus_ms(self.config.lease_ms).min(self.offer.deadline);
         let (requester, job_id) = (self.offer.requester, self.offer.job_id);
-        let task = self
-            .tasks
-            .get_mut(accept.task as usize)
-            .ok_or("no such task")?;
-        let a = task
-            .ranks
-            .get_mut(accept.rank as usize)
-            .ok_or("no such rank")?;
-        if accept.epoch != a.epoch {
-            return Err(format!(
-                "stale epoch {} (the assignment is at epoch {})",
-                accept.epoch, a.epoch
-            ));
-        }
+        let a = self.assignment(accept.task, accept.rank, accept.epoch)?;
         if accept.worker != a.worker || accept.award != a.award {
-            return Err("the acceptance does not match the award".into());
+            return Err(Refusal::NotTheAward);
         }
         match a.state {
             LeaseState::Offered if now < a.expires_at => {}
-            LeaseState::Current => return Err("already accepted".into()),
-            _ => return Err("the award is no longer open".into()),
+            LeaseState::Current => return Err(Refusal::AlreadyAccepted),
+            _ => return Err(Refusal::AwardClosed),
         }
         a.state = LeaseState::Current;
         // Renew at once: the award's own expiry is short on purpose.
@@ -407,6 +678,7 @@ impl Job {
             issued_at: now,
             expires_at: renew_to,
         };
+        let task = &mut self.tasks[accept.task as usize];
         let all_current = task.ranks.iter().all(|r| r.state == LeaseState::Current);
         if all_current {
             task.status = TaskStatus::Running;
@@ -429,20 +701,21 @@ impl Job {
         Ok(vec![Action::Renew(renewal)])
     }
 
-    /// The assignment of `rank` of task `task_index`, if it is at `epoch` (the fencing check).
-    fn at_epoch(
-        &mut self,
-        task_index: u32,
-        rank: u32,
-        epoch: u64,
-    ) -> Result<&mut Assignment, String> {
+    /// The assignment of `rank` of task `task`, if it is at `epoch` (the fencing check).
+    fn assignment(&mut self, task: u32, rank: u32, epoch: u64) -> Result<&mut Assignment, Refusal> {
+        let job = self.offer.job_id;
         let a = self
             .tasks
-            .get_mut(task_index as usize)
-            .and_then(|t| t.ranks.get_mut(rank as usize))
-            .ok_or("no such assignment")?;
+            .get_mut(task as usize)
+            .ok_or(Refusal::NoSuchTask { job, task })?
+            .ranks
+            .get_mut(rank as usize)
+            .ok_or(Refusal::NoSuchRank { task, rank })?;
         if a.epoch != epoch {
-            return Err(format!("stale epoch {epoch} (current {})", a.epoch));
+            return Err(Refusal::StaleEpoch {
+                got: epoch,
+                current: a.epoch,
+            });
         }
         Ok(a)
     }
@@ -450,16 +723,16 @@ impl Job {
     /// The worker acknowledged a renewal up to `expires_at`: the lease is extended.
     pub fn on_renewed(
         &mut self,
-        task_index: u32,
+        task: u32,
         rank: u32,
         epoch: u64,
         expires_at: Timestamp,
         now: Timestamp,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         let deadline = self.offer.deadline;
-        let a = self.at_epoch(task_index, rank, epoch)?;
+        let a = self.assignment(task, rank, epoch)?;
         if a.state != LeaseState::Current || now >= a.expires_at {
-            return Err("the lease is not current".into());
+            return Err(Refusal::NotCurrent);
         }
         a.expires_at = a.expires_at.max(expires_at.min(deadline));
         a.renewal_sent = None;
@@ -476,28 +749,24 @@ impl Job {
         epoch: u64,
         outputs: &[NamedDigest],
         now: Timestamp,
-    ) -> Result<Vec<Action>, String> {
-        let task = self
-            .tasks
-            .get_mut(task_index as usize)
-            .ok_or("no such task")?;
-        let a = task.ranks.get_mut(rank as usize).ok_or("no such rank")?;
-        if a.epoch != epoch {
-            return Err(format!("stale epoch {epoch} (current {})", a.epoch));
-        }
+    ) -> Result<Vec<Action>, Refusal> {
+        let a = self.assignment(task_index, rank, epoch)?;
         if a.state != LeaseState::Current {
-            return Err("the lease is not current".into());
+            return Err(Refusal::NotCurrent);
         }
-        a.state = LeaseState::Done;
         let price = a.price;
+        let task = &mut self.tasks[task_index as usize];
+        let committed = task.committed.checked_sub(price)?;
+        let spent = task.spent.checked_add(price)?;
+        task.ranks[rank as usize].state = LeaseState::Done;
+        task.committed = committed;
+        task.spent = spent;
         // Rank 0 speaks for a group's outputs.
         if rank == 0 {
             for o in outputs {
                 task.outputs.insert(o.name.clone(), o.digest);
             }
         }
-        task.committed = Amount(task.committed.0.saturating_sub(price.0));
-        task.spent = Amount(task.spent.0.saturating_add(price.0));
         let done = task.ranks.iter().all(|r| r.state == LeaseState::Done);
         self.log(now, Some(task_index), format!("rank {rank} delivered"));
         if done {
@@ -513,6 +782,7 @@ impl Job {
                         .all(|&d| self.tasks[d as usize].status == TaskStatus::Done);
                 if ready {
                     self.tasks[i].status = TaskStatus::Bidding;
+                    self.tasks[i].bidding_since = Some(now);
                     self.log(now, Some(i as u32), "dependencies done".into());
                 }
             }
@@ -523,44 +793,91 @@ impl Job {
     /// A rank failed (reported by its worker, or found out by the requester).
     pub fn on_failed(
         &mut self,
-        task_index: u32,
+        task: u32,
         rank: u32,
         epoch: u64,
         reason: &str,
         now: Timestamp,
-    ) -> Result<Vec<Action>, String> {
-        let a = self.at_epoch(task_index, rank, epoch)?;
+    ) -> Result<Vec<Action>, Refusal> {
+        let a = self.assignment(task, rank, epoch)?;
         if !matches!(a.state, LeaseState::Offered | LeaseState::Current) {
-            return Err("the lease is not live".into());
+            return Err(Refusal::NotLive);
         }
         let mut actions = Vec::new();
-        self.attempt_failed(
-            task_index as usize,
-            rank as usize,
-            reason,
-            now,
-            &mut actions,
-        );
+        self.attempt_failed(task as usize, rank as usize, reason, now, &mut actions);
         actions.extend(self.tick(now));
         Ok(actions)
     }
 
     /// The requester cancels the whole job: every live lease gets a cancellation.
-    pub fn cancel(&mut self, reason: &str, now: Timestamp) -> Vec<Action> {
+    #[must_use]
+    pub fn cancel(&mut self, now: Timestamp) -> Vec<Action> {
         let mut actions = Vec::new();
         for i in 0..self.tasks.len() {
             if !self.tasks[i].status.is_final() {
-                self.end_task(i, TaskStatus::Cancelled(reason.into()), now, &mut actions);
+                let why = TaskStatus::Cancelled(Cancellation::ByRequester);
+                self.end_task(i, why, now, &mut actions);
             }
         }
         self.cancelled = true;
-        self.log(now, None, format!("cancelled: {reason}"));
+        self.log(now, None, "cancelled by the requester".into());
         actions
+    }
+
+    /// Whether the bid window of task `i` is over: it can be widened (a new version of the
+    /// offer with better odds) when placement lacks bids and time allows.
+    pub fn wants_wider_call(&self, i: usize, now: Timestamp) -> bool {
+        let task = &self.tasks[i];
+        let Some(call) = self.offer.calls.get(i) else {
+            return false;
+        };
+        if task.status != TaskStatus::Bidding
+            || now < self.offer.expires_at
+            || call.odds_ppb >= cannabis_protocol::draw::ODDS_ONE
+        {
+            return false;
+        }
+        let window = self.offer.expires_at.ms_since(self.offer.issued_at);
+        if now.plus_ms(window) >= self.offer.deadline {
+            return false;
+        }
+        let Ok(left) = self.left(i) else {
+            return false;
+        };
+        matches!(
+            placement::place(
+                &self.offer.tasks[i],
+                task.bids.values(),
+                &task.excluded,
+                left,
+                now
+            ),
+            Err(Infeasible::NoBids | Infeasible::TooFewCompatible { .. })
+        )
+    }
+
+    /// The job's offer was published again as `offer` (id `id`), with wider calls and a new
+    /// bid window; bids for earlier versions still count.
+    pub fn republished(&mut self, offer: JobOffer, id: Digest, now: Timestamp) {
+        let odds: Vec<String> = offer
+            .calls
+            .iter()
+            .map(|c| format!("{:.6}", f64::from(c.odds_ppb) / 1e9))
+            .collect();
+        self.offer = offer;
+        self.earlier.push(std::mem::replace(&mut self.offer_id, id));
+        self.log(
+            now,
+            None,
+            format!("too few bids: call widened (odds {})", odds.join(", ")),
+        );
     }
 
     /// Moves time on: places tasks whose bid window is over, expires awards nobody
     /// countersigned and leases nobody renewed, renews leases about to end, and fails
-    /// what the deadline overtook.
+    /// what the deadline overtook. (Tasks that want a wider call stay bidding: the engine
+    /// widens them first.)
+    #[must_use]
     pub fn tick(&mut self, now: Timestamp) -> Vec<Action> {
         let mut actions = Vec::new();
         for i in 0..self.tasks.len() {
@@ -568,7 +885,7 @@ impl Job {
                 continue;
             }
             if now >= self.offer.deadline {
-                self.fail_task(i, "the deadline passed".into(), now, &mut actions);
+                self.fail_task(i, Failure::DeadlinePassed, now, &mut actions);
                 continue;
             }
             // Expired awards and leases end the attempt.
@@ -583,7 +900,10 @@ impl Job {
                 self.attempt_failed(i, rank, why, now, &mut actions);
                 continue;
             }
-            if self.tasks[i].status == TaskStatus::Bidding && now >= self.offer.expires_at {
+            if self.tasks[i].status == TaskStatus::Bidding
+                && (now >= self.offer.expires_at || self.early_ready(i, now))
+                && !self.wants_wider_call(i, now)
+            {
                 self.place(i, now, &mut actions);
                 continue;
             }
@@ -620,21 +940,21 @@ impl Job {
             return None;
         }
         let margin = self.config.renew_margin_ms;
-        let mut at = vec![self.offer.deadline];
+        let mut at = self.offer.deadline;
         for t in &self.tasks {
             match t.status {
-                TaskStatus::Bidding => at.push(self.offer.expires_at),
+                TaskStatus::Bidding => at = at.min(self.offer.expires_at),
                 TaskStatus::Leasing | TaskStatus::Running => {
                     for a in &t.ranks {
                         match a.state {
-                            LeaseState::Offered => at.push(a.expires_at),
+                            LeaseState::Offered => at = at.min(a.expires_at),
                             // A lease that already runs to the deadline is not renewed.
                             LeaseState::Current if a.expires_at < self.offer.deadline => {
                                 let renew = Timestamp(a.expires_at.0.saturating_sub(margin));
                                 let resend = a
                                     .renewal_sent
                                     .map_or(renew, |t| t.plus_ms((margin / 3).max(1)));
-                                at.push(renew.max(resend).min(a.expires_at));
+                                at = at.min(renew.max(resend).min(a.expires_at));
                             }
                             _ => {}
                         }
@@ -643,34 +963,35 @@ impl Job {
                 _ => {}
             }
         }
-        at.into_iter().min()
+        Some(at)
+    }
+
+    /// What is left of task `i`'s budget for a placement.
+    fn left(&self, i: usize) -> Result<Amount, MoneyError> {
+        let t = &self.tasks[i];
+        t.budget.checked_sub(t.spent)?.checked_sub(t.committed)
     }
 
     /// Places task `i` from its bids within what is left of its budget, and awards it.
     fn place(&mut self, i: usize, now: Timestamp, actions: &mut Vec<Action>) {
-        let spec = &self.offer.tasks[i];
         let task = &self.tasks[i];
-        let left = Amount(
-            task.budget
-                .0
-                .saturating_sub(task.spent.0)
-                .saturating_sub(task.committed.0),
-        );
         if task.failures >= self.config.max_attempts {
-            let why = format!("gave up after {} failed runs", task.failures);
+            let why = Failure::GaveUp {
+                failures: task.failures,
+            };
             self.fail_task(i, why, now, actions);
             return;
         }
+        let left = match self.left(i) {
+            Ok(left) => left,
+            Err(e) => return self.fail_task(i, Failure::Money(e), now, actions),
+        };
+        let spec = &self.offer.tasks[i];
         match placement::place(spec, task.bids.values(), &task.excluded, left, now) {
             Ok(slots) => self.award(i, slots, now, actions),
             Err(why) => {
                 let declined = task.declines.len();
-                let text = if declined > 0 {
-                    format!("cannot be placed: {why} ({declined} declined)")
-                } else {
-                    format!("cannot be placed: {why}")
-                };
-                self.fail_task(i, text, now, actions);
+                self.fail_task(i, Failure::Unplaceable { why, declined }, now, actions);
             }
         }
     }
@@ -694,15 +1015,23 @@ impl Job {
     }
 
     fn award(&mut self, i: usize, slots: Vec<Slot>, now: Timestamp, actions: &mut Vec<Action>) {
+        let total = match Amount::sum(slots.iter().map(|s| &s.price))
+            .and_then(|p| self.tasks[i].committed.checked_add(p))
+        {
+            Ok(t) => t,
+            Err(e) => return self.fail_task(i, Failure::Money(e), now, actions),
+        };
         let expires_at = now
             .plus_ms(self.config.award_timeout_ms)
             .min(self.offer.deadline);
         let inputs = self.pinned_inputs(i);
         let group = slots.len() > 1 || self.offer.tasks[i].group_size > 1;
+        let offer_id = self.offer_id();
         let task = &mut self.tasks[i];
         task.attempts += 1;
+        task.committed = total;
         let rendezvous = group.then(|| Rendezvous {
-            id: rendezvous_id(&self.offer_id, i, &task.epochs),
+            id: rendezvous_id(&offer_id, i, &task.epochs),
             roster: slots
                 .iter()
                 .map(|s| RosterEntry {
@@ -744,7 +1073,6 @@ impl Job {
                 expires_at,
                 renewal_sent: None,
             });
-            task.committed = Amount(task.committed.0.saturating_add(s.price.0));
             actions.push(Action::Award(award));
         }
         task.status = TaskStatus::Leasing;
@@ -782,7 +1110,9 @@ impl Job {
             Some(i as u32),
             format!("rank {rank} on {worker} ended: {reason}"),
         );
-        self.end_attempt(i, reason, now, actions);
+        if let Err(e) = self.end_attempt(i, reason, now, actions) {
+            return self.fail_task(i, Failure::Money(e), now, actions);
+        }
         self.tasks[i].status = TaskStatus::Bidding;
         if now >= self.offer.expires_at {
             self.place(i, now, actions);
@@ -790,16 +1120,24 @@ impl Job {
     }
 
     /// Ends every live lease of task `i`'s attempt, telling the workers.
-    fn end_attempt(&mut self, i: usize, reason: &str, now: Timestamp, actions: &mut Vec<Action>) {
+    fn end_attempt(
+        &mut self,
+        i: usize,
+        reason: &str,
+        now: Timestamp,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), MoneyError> {
         let task = &mut self.tasks[i];
         let mut to = Vec::new();
+        let mut committed = task.committed;
         for a in &mut task.ranks {
             if matches!(a.state, LeaseState::Offered | LeaseState::Current) {
                 a.state = LeaseState::Ended;
-                task.committed = Amount(task.committed.0.saturating_sub(a.price.0));
+                committed = committed.checked_sub(a.price)?;
                 to.push(a.worker);
             }
         }
+        task.committed = committed;
         if !to.is_empty() {
             actions.push(Action::Cancel {
                 to,
@@ -812,6 +1150,7 @@ impl Job {
                 },
             });
         }
+        Ok(())
     }
 
     fn end_task(
@@ -821,20 +1160,19 @@ impl Job {
         now: Timestamp,
         actions: &mut Vec<Action>,
     ) {
-        let reason = match &status {
-            TaskStatus::Failed(r) | TaskStatus::Cancelled(r) => r.clone(),
-            _ => String::new(),
-        };
-        self.end_attempt(i, &reason, now, actions);
+        let reason = status.to_string();
+        // A money error here leaves the live leases' prices committed: the task still ends,
+        // and the sums show the defect instead of hiding it.
+        let _ = self.end_attempt(i, &reason, now, actions);
         self.tasks[i].status = status;
     }
 
     /// Task `i` fails; everything that depends on it, directly or not, is cancelled and its
     /// budget refunded.
-    fn fail_task(&mut self, i: usize, reason: String, now: Timestamp, actions: &mut Vec<Action>) {
-        self.log(now, Some(i as u32), format!("failed: {reason}"));
+    fn fail_task(&mut self, i: usize, why: Failure, now: Timestamp, actions: &mut Vec<Action>) {
+        self.log(now, Some(i as u32), format!("failed: {why}"));
         let name = self.offer.tasks[i].name.clone();
-        self.end_task(i, TaskStatus::Failed(reason), now, actions);
+        self.end_task(i, TaskStatus::Failed(why), now, actions);
         let mut stopped: BTreeSet<usize> = BTreeSet::from([i]);
         for j in i + 1..self.tasks.len() {
             let hit = self.offer.tasks[j]
@@ -843,9 +1181,9 @@ impl Job {
                 .any(|d| stopped.contains(&(*d as usize)));
             if hit && !self.tasks[j].status.is_final() {
                 stopped.insert(j);
-                let why = format!("a task it depends on ({name}) failed");
-                self.end_task(j, TaskStatus::Cancelled(why.clone()), now, actions);
+                let why = Cancellation::DependencyFailed { task: name.clone() };
                 self.log(now, Some(j as u32), format!("cancelled: {why}"));
+                self.end_task(j, TaskStatus::Cancelled(why), now, actions);
             }
         }
     }

@@ -13,8 +13,35 @@ use cannabis_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::Refusal;
+
 /// An assignment: job, task, rank.
 pub type AssignmentKey = (Uuid, u32, u32);
+
+/// Why a lease this worker held ended; its workload stops with it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndReason {
+    /// It was not renewed in time.
+    #[error("the lease expired (not renewed in time)")]
+    Expired,
+    /// The requester cancelled it.
+    #[error("cancelled by the requester: {0}")]
+    Cancelled(String),
+    /// An award with a newer epoch for the same assignment replaced it.
+    #[error("superseded by epoch {0}")]
+    Superseded(u64),
+}
+
+/// Where a lease this worker holds stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "state", content = "reason")]
+pub enum WorkerLeaseState {
+    /// Countersigned; current until the lease's `expires_at` unless renewed.
+    Current,
+    /// Over.
+    Ended(EndReason),
+}
 
 /// A lease this worker holds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -29,13 +56,19 @@ pub struct Lease {
     pub price: Amount,
     /// Current until then.
     pub expires_at: Timestamp,
-    /// Whether it still holds.
-    pub live: bool,
-    /// Why it stopped, when it did.
-    pub ended: Option<String>,
+    /// Where it stands.
+    pub state: WorkerLeaseState,
 }
 
-/// Why a lease this worker held stopped; the workload stops with it.
+impl Lease {
+    /// Whether it still holds (it may still have run out by the clock: see
+    /// [`Leases::is_current`]).
+    pub fn is_live(&self) -> bool {
+        self.state == WorkerLeaseState::Current
+    }
+}
+
+/// A lease this worker held ended; the workload stops with it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stopped {
     /// The assignment.
@@ -43,13 +76,11 @@ pub struct Stopped {
     /// Its epoch.
     pub epoch: u64,
     /// Why.
-    pub reason: String,
+    pub reason: EndReason,
 }
 
-/// Ends a live lease for `reason`; its workload stops.
-fn end(key: &AssignmentKey, lease: &mut Lease, reason: String) -> Stopped {
-    lease.live = false;
-    lease.ended = Some(reason.clone());
+fn end(key: &AssignmentKey, lease: &mut Lease, reason: EndReason) -> Stopped {
+    lease.state = WorkerLeaseState::Ended(reason.clone());
     Stopped {
         key: *key,
         epoch: lease.epoch,
@@ -66,12 +97,22 @@ pub struct Pruned {
     pub leases: Vec<AssignmentKey>,
 }
 
-/// The leases of one worker.
-#[derive(Clone, Debug, Default)]
+/// A bid this worker sent, with the requester it went to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentBid {
+    /// The bid.
+    pub bid: Bid,
+    /// Its requester.
+    pub requester: Address,
+}
+
+/// The leases of one worker, and the bids it sent.
+#[derive(Clone, Debug)]
 pub struct Leases {
-    me: Option<Address>,
-    /// Bids sent, by message id, with the requester they went to.
-    bids: BTreeMap<Digest, (Bid, Address)>,
+    me: Address,
+    bids: BTreeMap<Digest, SentBid>,
+    /// The bid sent for each (job, task).
+    by_task: BTreeMap<(Uuid, u32), Digest>,
     leases: BTreeMap<AssignmentKey, Lease>,
 }
 
@@ -79,29 +120,45 @@ impl Leases {
     /// The leases of worker `me`.
     pub fn new(me: Address) -> Self {
         Self {
-            me: Some(me),
-            ..Self::default()
+            me,
+            bids: BTreeMap::new(),
+            by_task: BTreeMap::new(),
+            leases: BTreeMap::new(),
         }
     }
 
-    /// Remembers a bid this worker sent to `requester`.
-    pub fn on_bid_sent(&mut self, id: Digest, bid: Bid, requester: Address) {
-        self.bids.insert(id, (bid, requester));
+    /// Remembers a bid this worker sent (message id `id`).
+    pub fn on_bid_sent(&mut self, id: Digest, sent: SentBid) {
+        self.by_task.insert((sent.bid.job_id, sent.bid.task), id);
+        self.bids.insert(id, sent);
+    }
+
+    /// The bid this worker sent for a task, if it still holds.
+    pub fn bid_for(&self, job: &Uuid, task: u32) -> Option<(&Digest, &SentBid)> {
+        let id = self.by_task.get(&(*job, task))?;
+        self.bids.get(id).map(|b| (id, b))
+    }
+
+    /// Bids sent that still hold.
+    pub fn bids(&self) -> impl Iterator<Item = (&Digest, &SentBid)> {
+        self.bids.iter()
     }
 
     /// Forgets bids whose quote ran out and leases over for long enough.
     /// Returns what was forgotten, so a durable copy can forget it too.
     pub fn prune(&mut self, now: Timestamp, keep_ended_ms: u64) -> Pruned {
         let mut pruned = Pruned::default();
-        self.bids.retain(|id, (b, _)| {
-            let keep = b.valid_until > now;
+        let by_task = &mut self.by_task;
+        self.bids.retain(|id, s| {
+            let keep = s.bid.valid_until > now;
             if !keep {
                 pruned.bids.push(*id);
+                by_task.remove(&(s.bid.job_id, s.bid.task));
             }
             keep
         });
         self.leases.retain(|key, l| {
-            let keep = l.live || now.ms_since(l.expires_at) < keep_ended_ms;
+            let keep = l.is_live() || now.ms_since(l.expires_at) < keep_ended_ms;
             if !keep {
                 pruned.leases.push(*key);
             }
@@ -110,17 +167,31 @@ impl Leases {
         pruned
     }
 
+    /// When [`Leases::prune`] or [`Leases::tick`] next has something to do.
+    pub fn next_wake(&self, keep_ended_ms: u64) -> Option<Timestamp> {
+        let bids = self.bids.values().map(|s| s.bid.valid_until);
+        let leases = self.leases.values().map(|l| {
+            if l.is_live() {
+                l.expires_at
+            } else {
+                l.expires_at.plus_ms(keep_ended_ms)
+            }
+        });
+        bids.chain(leases).min()
+    }
+
     /// Rebuilds the leases of worker `me` from a durable copy.
     pub fn restore(
         me: Address,
-        bids: impl IntoIterator<Item = (Digest, Bid, Address)>,
+        bids: impl IntoIterator<Item = (Digest, SentBid)>,
         leases: impl IntoIterator<Item = (AssignmentKey, Lease)>,
     ) -> Self {
-        Self {
-            me: Some(me),
-            bids: bids.into_iter().map(|(id, b, r)| (id, (b, r))).collect(),
-            leases: leases.into_iter().collect(),
+        let mut out = Self::new(me);
+        for (id, sent) in bids {
+            out.on_bid_sent(id, sent);
         }
+        out.leases = leases.into_iter().collect();
+        out
     }
 
     /// The lease on an assignment, live or not.
@@ -133,51 +204,53 @@ impl Leases {
         self.leases.iter()
     }
 
-    /// A verified award (`id` is its message id). Returns the countersignature to sign and
-    /// send, and the lease it replaces if a newer epoch superseded one this worker held.
+    /// Leases current at `now`.
+    pub fn live_count(&self, now: Timestamp) -> usize {
+        self.leases
+            .values()
+            .filter(|l| l.is_live() && l.expires_at > now)
+            .count()
+    }
+
+    /// An award whose signature and sender the caller checked (`id` is its message id).
+    /// Returns the countersignature to sign and send, and the lease it replaces if a newer
+    /// epoch superseded one this worker held.
     pub fn on_award(
         &mut self,
         award: &Award,
         id: Digest,
         now: Timestamp,
-    ) -> Result<(LeaseAccept, Option<Stopped>), String> {
-        if Some(award.worker) != self.me {
-            return Err("the award names another worker".into());
+    ) -> Result<(LeaseAccept, Option<Stopped>), Refusal> {
+        if award.worker != self.me {
+            return Err(Refusal::NotForMe);
         }
-        let (bid, requester) = self
-            .bids
-            .get(&award.bid)
-            .ok_or("no bid of this worker has that id")?;
-        if bid.job_id != award.job_id || bid.task != award.task {
-            return Err("the award is for another job or task than the bid".into());
+        let sent = self.bids.get(&award.bid).ok_or(Refusal::NoSuchBid)?;
+        if sent.bid.job_id != award.job_id || sent.bid.task != award.task {
+            return Err(Refusal::BidMismatch);
         }
-        if *requester != award.requester {
-            return Err("the award comes from another requester than the offer's".into());
+        if sent.requester != award.requester {
+            return Err(Refusal::OtherRequester);
         }
-        if award.price > bid.price {
-            return Err(format!(
-                "price {} is above the quote of {}",
-                award.price, bid.price
-            ));
+        if award.price > sent.bid.price {
+            return Err(Refusal::AboveQuote {
+                award: award.price,
+                quote: sent.bid.price,
+            });
         }
         if award.expires_at <= now {
-            return Err("the award has expired".into());
+            return Err(Refusal::AwardExpired);
         }
         let key = (award.job_id, award.task, award.rank);
         let mut superseded = None;
-        if let Some(held) = self.leases.get(&key) {
+        if let Some(held) = self.leases.get_mut(&key) {
             if award.epoch <= held.epoch {
-                return Err(format!(
-                    "stale epoch {} (this worker saw epoch {})",
-                    award.epoch, held.epoch
-                ));
-            }
-            if held.live {
-                superseded = Some(Stopped {
-                    key,
-                    epoch: held.epoch,
-                    reason: format!("superseded by epoch {}", award.epoch),
+                return Err(Refusal::StaleEpoch {
+                    got: award.epoch,
+                    current: held.epoch,
                 });
+            }
+            if held.is_live() {
+                superseded = Some(end(&key, held, EndReason::Superseded(award.epoch)));
             }
         }
         self.leases.insert(
@@ -188,8 +261,7 @@ impl Leases {
                 epoch: award.epoch,
                 price: award.price,
                 expires_at: award.expires_at,
-                live: true,
-                ended: None,
+                state: WorkerLeaseState::Current,
             },
         );
         let accept = LeaseAccept {
@@ -204,37 +276,37 @@ impl Leases {
         Ok((accept, superseded))
     }
 
-    /// A verified renewal: extends the live lease of the same epoch.
-    pub fn on_renewal(&mut self, renewal: &LeaseRenewal, now: Timestamp) -> Result<(), String> {
+    /// A renewal whose signature and sender the caller checked: extends the live lease of
+    /// the same epoch.
+    pub fn on_renewal(&mut self, renewal: &LeaseRenewal, now: Timestamp) -> Result<(), Refusal> {
         let key = (renewal.job_id, renewal.task, renewal.rank);
-        let lease = self
-            .leases
-            .get_mut(&key)
-            .ok_or("no lease on that assignment")?;
-        if renewal.requester != lease.requester || Some(renewal.worker) != self.me {
-            return Err("the renewal does not match the lease".into());
+        let lease = self.leases.get_mut(&key).ok_or(Refusal::NoLease)?;
+        if renewal.requester != lease.requester || renewal.worker != self.me {
+            return Err(Refusal::NotTheLease);
         }
         if renewal.epoch != lease.epoch {
-            return Err(format!(
-                "stale epoch {} (the lease is at epoch {})",
-                renewal.epoch, lease.epoch
-            ));
+            return Err(Refusal::StaleEpoch {
+                got: renewal.epoch,
+                current: lease.epoch,
+            });
         }
-        if !lease.live || lease.expires_at <= now {
-            return Err("the lease already ended".into());
+        if !lease.is_live() || lease.expires_at <= now {
+            return Err(Refusal::LeaseEnded);
         }
         lease.expires_at = lease.expires_at.max(renewal.expires_at);
         Ok(())
     }
 
-    /// A verified cancellation: ends every live lease of this worker it names.
+    /// A cancellation whose signature and sender the caller checked: ends every live lease
+    /// of this worker it names.
+    #[must_use]
     pub fn on_cancel(&mut self, cancel: &Cancel, now: Timestamp) -> Vec<Stopped> {
         let mut stopped = Vec::new();
         for (key, lease) in &mut self.leases {
             let named = key.0 == cancel.job_id && cancel.task.is_none_or(|t| t == key.1);
-            if named && lease.live && lease.requester == cancel.requester {
+            if named && lease.is_live() && lease.requester == cancel.requester {
                 lease.expires_at = lease.expires_at.min(now);
-                let reason = format!("cancelled by the requester: {}", cancel.reason);
+                let reason = EndReason::Cancelled(cancel.reason.clone());
                 stopped.push(end(key, lease, reason));
             }
         }
@@ -242,12 +314,12 @@ impl Leases {
     }
 
     /// Ends leases that ran out by `now`: their workloads stop.
+    #[must_use]
     pub fn tick(&mut self, now: Timestamp) -> Vec<Stopped> {
         let mut stopped = Vec::new();
         for (key, lease) in &mut self.leases {
-            if lease.live && lease.expires_at <= now {
-                let reason = "the lease expired (not renewed in time)".to_string();
-                stopped.push(end(key, lease, reason));
+            if lease.is_live() && lease.expires_at <= now {
+                stopped.push(end(key, lease, EndReason::Expired));
             }
         }
         stopped
@@ -258,6 +330,6 @@ impl Leases {
     pub fn is_current(&self, key: &AssignmentKey, epoch: u64, now: Timestamp) -> bool {
         self.leases
             .get(key)
-            .is_some_and(|l| l.live && l.epoch == epoch && l.expires_at > now)
+            .is_some_and(|l| l.is_live() && l.epoch == epoch && l.expires_at > now)
     }
 }

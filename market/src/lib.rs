@@ -4,6 +4,9 @@
 //! the current time, and the caller carries out what comes back. That is what lets the
 //! testnet drive many simulated nodes deterministically.
 //!
+//! - [`Market`]: the engine, one per node (and per simulated node): the view, the
+//!   requester's jobs, the worker's bids and leases, challenge passes; inputs with time in,
+//!   ordered outputs out, durable before sent.
 //! - [`View`]: the live market a node sees, fed with gossip. It decides for each message
 //!   whether to accept (and forward), ignore, or reject (and penalize the sender): size cap,
 //!   signature, author, source, expiry, replay and staleness.
@@ -15,19 +18,26 @@
 //! - [`job`]: the requester's state machine for one job: bids, placement, leases with
 //!   epochs, renewals, retries within the budget, cancellation, task graphs.
 //! - [`lease`]: the worker's side of leases.
+//! - [`fanin`]: how an offer draws a bounded number of bids however many workers match.
 //! - [`spec`]: the job file.
 //!
 //! ```
-//! use cannabis_market::{View, ViewConfig, Verdict};
-//! use cannabis_protocol::Timestamp;
+//! use std::sync::Arc;
+//! use cannabis_market::{RejectReason, Signatures, Verdict, View, ViewConfig, decode_gossip};
+//! use cannabis_protocol::{CapabilityAd, Timestamp};
 //!
-//! let mut view = View::new(ViewConfig::default());
-//! // Garbage from the network is rejected, so the sender's score drops.
-//! let verdict = view.on_ad(b"not a signed ad", None, Timestamp(1_000), 1_000_000);
-//! assert!(matches!(verdict, Verdict::Reject(_)));
+//! let mut view = View::new(ViewConfig::default(), Signatures::Check);
+//! // Garbage from the network does not even decode: rejected, so the sender's score drops.
+//! let verdict = match decode_gossip::<CapabilityAd>(b"not a signed ad") {
+//!     Ok(ad) => view.on_ad(Arc::new(ad), None, Timestamp(1_000), 1_000_000),
+//!     Err(why) => Verdict::Reject(why),
+//! };
+//! assert!(matches!(verdict, Verdict::Reject(RejectReason::Decode(_))));
 //! ```
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod engine;
+pub mod fanin;
 pub mod job;
 pub mod lease;
 pub mod matching;
@@ -37,9 +47,17 @@ pub mod spec;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 
+mod refusal;
 mod view;
 
+pub use engine::{
+    Answer, BatchId, Command, CommandError, CommandOk, GossipId, Heard, Identity, Inbound,
+    InboundId, Input, Market, MarketConfig, MarketEvent, Origin, Outbound, OutboundId, Output,
+    Publish, Record, RecordKey, RecordOp, Reply, SyncId,
+};
+pub use refusal::Refusal;
 pub use spec::OfferTemplate;
 pub use view::{
-    AdEntry, Expired, IgnoreReason, OfferEntry, RejectReason, Verdict, View, ViewConfig,
+    AdEntry, Expired, IgnoreReason, OfferEntry, RejectReason, Signatures, Verdict, View,
+    ViewConfig, decode_gossip,
 };

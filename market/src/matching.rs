@@ -165,17 +165,29 @@ fn duration(ms: u64) -> String {
 
 /// What the matcher knows besides the ads: the time, and challenges this node checked
 /// itself.
-#[derive(Clone, Debug, Default)]
-pub struct Context {
+#[derive(Clone, Copy, Debug)]
+pub struct Context<'a> {
     /// Now.
     pub now: Timestamp,
     /// This node's address: its own checks count as passes from it.
     pub me: Option<Address>,
     /// When each node last passed a challenge this node set.
-    pub local_passes: BTreeMap<Address, Timestamp>,
+    pub local_passes: &'a BTreeMap<Address, Timestamp>,
 }
 
-impl Context {
+static NO_PASSES: BTreeMap<Address, Timestamp> = BTreeMap::new();
+
+impl Default for Context<'_> {
+    fn default() -> Self {
+        Self {
+            now: Timestamp::default(),
+            me: None,
+            local_passes: &NO_PASSES,
+        }
+    }
+}
+
+impl Context<'_> {
     /// The newest pass that counts for `ad` under `trusted` (empty: any verifier but the
     /// worker itself) and still covers the ad's claim: the challenge was sized for at least
     /// the cores the ad claims now.
@@ -263,7 +275,7 @@ pub fn requirements(task: &TaskSpec) -> Vec<Requirement> {
 }
 
 /// Whether `ad` meets `req` for `task`.
-pub fn meets(req: &Requirement, task: &TaskSpec, ad: &CapabilityAd, ctx: &Context) -> bool {
+pub fn meets(req: &Requirement, task: &TaskSpec, ad: &CapabilityAd, ctx: &Context<'_>) -> bool {
     let hw = &ad.hardware;
     let allowed = || hw.gpus.iter().filter(|g| g.allowed);
     let vendor = task.requirements.gpu_vendor;
@@ -296,8 +308,32 @@ pub fn meets(req: &Requirement, task: &TaskSpec, ad: &CapabilityAd, ctx: &Contex
     }
 }
 
+/// A task's requirements, listed once, to match many ads against.
+#[derive(Clone, Debug)]
+pub struct Matcher<'t> {
+    task: &'t TaskSpec,
+    requirements: Vec<Requirement>,
+}
+
+impl<'t> Matcher<'t> {
+    /// The matcher of `task`.
+    pub fn new(task: &'t TaskSpec) -> Self {
+        Self {
+            task,
+            requirements: requirements(task),
+        }
+    }
+
+    /// Whether `ad` meets every requirement.
+    pub fn qualifies(&self, ad: &CapabilityAd, ctx: &Context<'_>) -> bool {
+        self.requirements
+            .iter()
+            .all(|r| meets(r, self.task, ad, ctx))
+    }
+}
+
 /// The requirements of `task` that `ad` misses; empty when it qualifies.
-pub fn unmet(task: &TaskSpec, ad: &CapabilityAd, ctx: &Context) -> Vec<Requirement> {
+pub fn unmet(task: &TaskSpec, ad: &CapabilityAd, ctx: &Context<'_>) -> Vec<Requirement> {
     requirements(task)
         .into_iter()
         .filter(|r| !meets(r, task, ad, ctx))
@@ -383,7 +419,7 @@ impl std::fmt::Display for Explanation {
 pub fn explain<'a>(
     task: &TaskSpec,
     ads: impl IntoIterator<Item = &'a CapabilityAd>,
-    ctx: &Context,
+    ctx: &Context<'_>,
 ) -> Explanation {
     let reqs = requirements(task);
     let mut counts = vec![0usize; reqs.len()];
@@ -531,7 +567,7 @@ mod tests {
         )
     }
 
-    fn ctx() -> Context {
+    fn ctx() -> Context<'static> {
         Context {
             now: NOW,
             ..Context::default()
@@ -658,7 +694,8 @@ mod tests {
         let mut c = ctx();
         c.me = Some(keys(9).address());
         assert_eq!(unmet(&t, &a, &c).len(), 1);
-        c.local_passes.insert(a.node, Timestamp(NOW.0 - 10));
+        let passes = BTreeMap::from([(a.node, Timestamp(NOW.0 - 10))]);
+        c.local_passes = &passes;
         assert!(unmet(&t, &a, &c).is_empty());
         t.requirements.challenge_verifiers = vec![keys(3).address()];
         assert_eq!(unmet(&t, &a, &c).len(), 1, "not a trusted verifier");

@@ -6,14 +6,14 @@
 
 use cannabis_protocol::{
     AdapterKind, Address, Amount, Bid, CapabilityAd, Decline, Digest, JobOffer, PriceSheet,
-    TaskSpec,
+    TaskSpec, draw,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::matching::{self, Context};
 
 /// What the owner of a worker opts in to.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorkerPolicy {
     /// Whether requesters' own programs may run here (`process` and `torchrun` adapters).
@@ -28,6 +28,21 @@ pub struct WorkerPolicy {
     /// requester can still place a retry or a later task of a graph on it. A worker that
     /// is busy when an award comes refuses it, and the requester moves on.
     pub bid_validity_ms: Option<u64>,
+    /// Most leases held at once. A worker that holds this many stops quoting and refuses
+    /// awards as busy.
+    pub max_leases: u32,
+}
+
+impl Default for WorkerPolicy {
+    fn default() -> Self {
+        Self {
+            custom_code: false,
+            max_duration_ms: None,
+            allowed_requesters: Vec::new(),
+            bid_validity_ms: None,
+            max_leases: 4,
+        }
+    }
 }
 
 /// What a worker does about one task of an offer.
@@ -39,6 +54,8 @@ pub enum Answer {
     Decline(Decline),
     /// Its hardware does not meet the requirements: say nothing.
     Silent(Vec<matching::Requirement>),
+    /// It matches, but the task's bid call did not draw it: say nothing.
+    NotDrawn,
 }
 
 /// The price of one rank of `task` on this worker for `duration_ms`, from the owner's
@@ -77,14 +94,15 @@ pub fn price(
 }
 
 /// A worker's answer to task `task` of `offer` (message id `offer_id`), given its own ad,
-/// its owner's policy and the time.
+/// its owner's policy and the time. Only a worker the task's bid call draws answers (see
+/// [`cannabis_protocol::draw`]); a decline is drawn at the call's reference price.
 pub fn answer(
     policy: &WorkerPolicy,
     ad: &CapabilityAd,
     offer: &JobOffer,
     offer_id: Digest,
     task: u32,
-    ctx: &Context,
+    ctx: &Context<'_>,
 ) -> Option<Answer> {
     let spec = offer.tasks.get(task as usize)?;
     let now = ctx.now;
@@ -92,7 +110,12 @@ pub fn answer(
     if !unmet.is_empty() {
         return Some(Answer::Silent(unmet));
     }
+    let call = offer.calls.get(task as usize)?;
+    let drawn = |price: Amount| draw::drawn(call, &offer.job_id, task, &ad.node, price);
     let decline = |reason: String| {
+        if !drawn(call.ref_price) {
+            return Some(Answer::NotDrawn);
+        }
         Some(Answer::Decline(Decline {
             job_id: offer.job_id,
             task,
@@ -128,6 +151,9 @@ pub fn answer(
         return decline(format!(
             "this worker's price {price} is above the task's budget of {share} per worker"
         ));
+    }
+    if !drawn(price) {
+        return Some(Answer::NotDrawn);
     }
     Some(Answer::Bid(Bid {
         job_id: offer.job_id,

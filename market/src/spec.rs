@@ -76,6 +76,10 @@ pub struct OfferTemplate {
     /// Who receives the 1% fee; this node when absent.
     #[serde(default)]
     pub fee_recipient: Option<Address>,
+    /// Place before the bid window ends, as soon as this is met (kept by the requester's
+    /// node, not published).
+    #[serde(default)]
+    pub early: Option<crate::job::Early>,
 }
 
 /// A parsed, checked job file, waiting for its local files to be hashed.
@@ -93,6 +97,8 @@ pub struct JobSpec {
     pub review_window_ms: u64,
     /// Acceptance metrics.
     pub acceptance: Vec<AcceptanceMetric>,
+    /// Place before the bid window ends, as soon as this is met.
+    pub early: Option<crate::job::Early>,
     /// The tasks, with their sources still to resolve.
     pub tasks: Vec<TaskDraft>,
 }
@@ -121,8 +127,19 @@ struct RawJob {
     review_window: Option<String>,
     #[serde(default)]
     acceptance: Vec<RawMetric>,
+    #[serde(default)]
+    early: Option<RawEarly>,
     #[serde(default, rename = "task")]
     tasks: Vec<RawTask>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEarly {
+    #[serde(default)]
+    first_bids: Option<u32>,
+    #[serde(default)]
+    max_price: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -315,8 +332,26 @@ impl JobSpec {
             .enumerate()
             .map(|(i, m)| check_metric(i, m))
             .collect::<Result<_, _>>()?;
+        let early = match raw.early {
+            None => None,
+            Some(RawEarly {
+                first_bids: Some(n),
+                max_price: None,
+            }) if n > 0 => Some(crate::job::Early::FirstBids(n)),
+            Some(RawEarly {
+                first_bids: None,
+                max_price: Some(p),
+            }) => Some(crate::job::Early::PriceAtMost(Amount(p))),
+            Some(_) => {
+                return Err(err(
+                    "early",
+                    "give exactly one of first_bids (at least 1) or max_price",
+                ));
+            }
+        };
         Ok(JobSpec {
             name: raw.name.unwrap_or_else(|| raw.tasks[0].name.clone()),
+            early,
             budget,
             deadline_ms,
             bid_window_ms,
@@ -363,6 +398,7 @@ impl JobSpec {
             review_window_ms: self.review_window_ms,
             acceptance: self.acceptance.clone(),
             fee_recipient: None,
+            early: self.early,
         })
     }
 }

@@ -1,5 +1,8 @@
-//! Builders for tests and simulations: plausible ads, tasks and offers from a few numbers.
-//! Pure data; nothing here is used on a node's own paths.
+//! Builders for tests and simulations: plausible ads, tasks and offers from a few numbers,
+//! and [`net`], engines wired together in memory. Nothing here is used on a node's own
+//! paths (it is behind the `testkit` feature).
+
+pub mod net;
 
 use cannabis_protocol::{
     AdapterKind, Address, Amount, CapabilityAd, DeliveryIdentity, Digest, FeeTerms, Gpu, GpuPrice,
@@ -180,6 +183,23 @@ pub fn offer(
         fee: FeeTerms::founder(requester),
         review_window_ms: 60_000,
         acceptance: Vec::new(),
+        calls: vec![cannabis_protocol::BidCall::EVERYONE; tasks.len()],
         tasks,
+    }
+}
+
+/// A template of `tasks`, taking bids for `window_ms` and due `deadline_ms` after it is
+/// submitted.
+pub fn template(tasks: Vec<TaskSpec>, window_ms: u64, deadline_ms: u64) -> crate::OfferTemplate {
+    crate::OfferTemplate {
+        name: None,
+        job_id: None,
+        tasks,
+        ttl_ms: window_ms,
+        deadline_ms,
+        review_window_ms: 60_000,
+        acceptance: Vec::new(),
+        fee_recipient: None,
+        early: None,
     }
 }

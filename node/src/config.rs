@@ -40,6 +40,8 @@ pub struct NodeConfig {
     pub worker: cannabis_market::quote::WorkerPolicy,
     /// Lease timing for the jobs this node publishes.
     pub leases: cannabis_market::job::LeaseConfig,
+    /// How the jobs this node publishes call for bids (see docs/architecture.md).
+    pub fanin: cannabis_market::fanin::FaninConfig,
     /// The owner's limits for the local executor; each must stay within the
     /// administrator's ceilings (unset fields take the ceiling).
     pub executor: cannabis_runtime::exec::LimitsFile,
@@ -95,7 +97,7 @@ impl ChallengeConfig {
 }
 
 /// Owner settings advertised in the capability ad.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Owner {
     /// GPUs (by UUID, `GPU-...`) the owner allows jobs on; none unless listed.
@@ -105,8 +107,54 @@ pub struct Owner {
     pub cdi_map: Option<std::path::PathBuf>,
     /// Bandwidth caps.
     pub network: NetworkLimits,
-    /// Prices in base units.
+    /// Prices in base units. A field the file leaves out keeps its default (see
+    /// [`default_prices`]), so a partial sheet never prices anything at 0 by accident.
+    #[serde(deserialize_with = "prices_over_defaults")]
     pub prices: PriceSheet,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PartialPrices {
+    cpu_core_hour: Option<cannabis_protocol::Amount>,
+    memory_gib_hour: Option<cannabis_protocol::Amount>,
+    gpu_hour: Option<Vec<cannabis_protocol::GpuPrice>>,
+    minimum_job: Option<cannabis_protocol::Amount>,
+}
+
+fn prices_over_defaults<'de, D: serde::Deserializer<'de>>(d: D) -> Result<PriceSheet, D::Error> {
+    let p = PartialPrices::deserialize(d)?;
+    let base = default_prices();
+    Ok(PriceSheet {
+        cpu_core_hour: p.cpu_core_hour.unwrap_or(base.cpu_core_hour),
+        memory_gib_hour: p.memory_gib_hour.unwrap_or(base.memory_gib_hour),
+        gpu_hour: p.gpu_hour.unwrap_or(base.gpu_hour),
+        minimum_job: p.minimum_job.unwrap_or(base.minimum_job),
+    })
+}
+
+/// The price sheet of a node whose owner set none: it never works for nothing. Per hour:
+/// 1,000 base units a core and 100 a GiB of memory; at least 100 a job (so the 1% fee of
+/// even the smallest job is a whole base unit). GPUs have no default price: a GPU is
+/// rented only at a price its owner set (`[[owner.prices.gpu_hour]]`).
+pub fn default_prices() -> PriceSheet {
+    PriceSheet {
+        cpu_core_hour: cannabis_protocol::Amount(1_000),
+        memory_gib_hour: cannabis_protocol::Amount(100),
+        gpu_hour: Vec::new(),
+        minimum_job: cannabis_protocol::Amount(100),
+    }
+}
+
+impl Default for Owner {
+    fn default() -> Self {
+        Self {
+            allowed_gpus: Vec::new(),
+            cdi_map: None,
+            network: NetworkLimits::default(),
+            prices: default_prices(),
+        }
+    }
 }
 
 /// Connection limits.
@@ -162,6 +210,7 @@ impl Default for NodeConfig {
             owner: Owner::default(),
             worker: cannabis_market::quote::WorkerPolicy::default(),
             leases: cannabis_market::job::LeaseConfig::default(),
+            fanin: cannabis_market::fanin::FaninConfig::default(),
             executor: cannabis_runtime::exec::LimitsFile::default(),
             ceilings: None,
             source: None,
@@ -256,7 +305,21 @@ mod tests {
             c.owner.prices.gpu_hour[0].price,
             cannabis_protocol::Amount(900)
         );
-        assert_eq!(c.owner.prices.minimum_job, cannabis_protocol::Amount(0));
+        // What the file leaves out keeps the default sheet's value, never 0.
+        assert_eq!(c.owner.prices.minimum_job, cannabis_protocol::Amount(100));
+        assert_eq!(
+            c.owner.prices.memory_gib_hour,
+            cannabis_protocol::Amount(100)
+        );
+        let zero: NodeConfig = toml::from_str(
+            "[owner.prices]\ncpu_core_hour = 0\nmemory_gib_hour = 0\nminimum_job = 0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            zero.owner.prices.cpu_core_hour,
+            cannabis_protocol::Amount(0)
+        );
+        assert_eq!(NodeConfig::default().owner.prices, default_prices());
     }
 
     #[test]

@@ -1,38 +1,49 @@
-//! The node's driver: one task owns the swarm, the market view and the store. Swarm events
-//! and commands (from the local API, the CLI, tests) go in; gossip, requests and answers
-//! come out. A cheap-to-clone [`NodeHandle`] sends commands over a bounded channel.
+//! The node's driver: one task owns the swarm, the market engine and the store. Swarm
+//! events and commands (from the local API, the CLI, tests) go in; the engine decides; the
+//! driver decodes, checks what the engine asks, signs, sends, persists and runs timers. A
+//! cheap-to-clone [`NodeHandle`] sends commands over a bounded channel.
+//!
+//! The loop: take one event (and whatever else is ready, up to a bound, so a burst of bids
+//! costs one disk write), feed it to the engine, then drain the engine's outputs in order.
+//! A `Persist` is committed before anything that waits for it is sent.
 
 mod challenge;
 mod directed;
 mod gossip;
 mod handle;
-mod jobs;
 
-pub use cannabis_api::OfferTemplate;
+pub use cannabis_market::OfferTemplate;
 pub use handle::NodeHandle;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use cannabis_api as api;
-use cannabis_market::{View, ViewConfig};
+use cannabis_market::{
+    Command as MarketCommand, GossipId, Identity, InboundId, Input, Market, MarketConfig,
+    MarketEvent, OutboundId, Output, SyncId, ViewConfig,
+};
 use cannabis_protocol::{Address, MarketResponse, Timestamp};
-use futures::StreamExt as _;
-use libp2p::request_response::OutboundRequestId;
+use futures::{FutureExt as _, StreamExt as _};
+use libp2p::request_response::{OutboundRequestId, ResponseChannel};
 use libp2p::swarm::SwarmEvent;
 use libp2p::{Multiaddr, PeerId, Swarm, identify, kad, mdns};
-use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info, warn};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, error, info, warn};
 
 use crate::config::NodeConfig;
 use crate::keystore::NodeKeys;
-use crate::store::{Kind, Store};
+use crate::store::Store;
 use crate::swarm::{self, Behaviour, BehaviourEvent, Topic};
 
 /// Connections a node keeps open to peers it discovers, so that gossip meshes can form.
 const TARGET_PEERS: usize = 16;
+
+/// Most events taken in one turn of the loop before the engine's outputs are drained.
+const BATCH: usize = 64;
 
 /// Now, as the protocol's millisecond timestamp and in microseconds.
 pub(crate) fn now() -> (Timestamp, u64) {
@@ -89,6 +100,14 @@ pub(crate) enum Command {
     Dial(Multiaddr, oneshot::Sender<anyhow::Result<()>>),
     /// The slow part of the probe (python3, torch) finished.
     Software(Software),
+    /// The machine was probed (off the driver): the next ad uses it.
+    Probed(
+        u64,
+        Box<gossip::Probe>,
+        Option<oneshot::Sender<anyhow::Result<()>>>,
+    ),
+    /// The local executor opened (or could not).
+    ExecutorReady,
     /// Set a peer the capability challenge.
     Challenge(
         PeerId,
@@ -110,26 +129,58 @@ pub(crate) type Software = (
     Vec<cannabis_protocol::Collective>,
 );
 
+/// A sync page being fed to the engine: who sent it and what its items got.
+#[derive(Default)]
+struct SyncTally {
+    accepted: usize,
+    rejected: usize,
+}
+
 /// A running node's state, owned by its driver task.
 pub(crate) struct Node {
     swarm: Swarm<Behaviour>,
-    view: View,
-    store: std::sync::Arc<Store>,
-    /// The local executor, or why there is none.
+    market: Market,
+    market_config: MarketConfig,
+    store: Arc<Store>,
+    /// The local executor, once it opened (or why it did not).
     executor: handle::ExecutorSlot,
+    /// The task opening it: waited for when the node stops (it holds the store).
+    opening: Option<tokio::task::JoinHandle<()>>,
+    /// Probes asked for, and the newest one applied: an older probe that finishes late
+    /// never replaces a newer one.
+    probes_asked: u64,
+    probe_applied: u64,
     keys: NodeKeys,
     config: NodeConfig,
     address: Address,
     started: Instant,
     data_dir: PathBuf,
     api_addr: Option<std::net::SocketAddr>,
+    /// Raw market requests from the handle (tests, `node ping`), by request.
     pending: HashMap<OutboundRequestId, oneshot::Sender<anyhow::Result<MarketResponse>>>,
+    /// The engine's own requests.
+    outbound: HashMap<OutboundRequestId, OutboundId>,
+    /// Requests from peers waiting for the engine's answer.
+    inbound: HashMap<InboundId, ResponseChannel<MarketResponse>>,
+    next_inbound: u64,
+    /// Gossip messages waiting for the engine's verdict.
+    gossip: HashMap<GossipId, (libp2p::gossipsub::MessageId, PeerId)>,
+    next_gossip: u64,
+    /// Sync pages being fed to the engine.
+    sync: HashMap<SyncId, SyncTally>,
+    next_sync: u64,
+    /// When each offer this node published was handed to gossip, µs (for the API).
+    published_at: HashMap<cannabis_protocol::Uuid, u64>,
     ping_rtt: HashMap<PeerId, Duration>,
     /// Remote addresses of each peer's open connections.
     connections: HashMap<PeerId, Vec<(libp2p::swarm::ConnectionId, Multiaddr)>>,
     app_scores: HashMap<PeerId, f64>,
     /// Runtimes and collectives, once probed.
     software: Option<Software>,
+    /// The machine as last probed.
+    probe: Option<gossip::Probe>,
+    /// Our ad went out before any peer listened: publish it again when one subscribes.
+    ad_unheard: bool,
     /// Commands to itself, from blocking work.
     self_tx: mpsc::Sender<Command>,
     /// Challenges this node set, by request.
@@ -137,23 +188,11 @@ pub(crate) struct Node {
     /// The challenge this node is proving (one at a time), and where to answer.
     proving:
         Option<libp2p::request_response::ResponseChannel<cannabis_protocol::ChallengeResponse>>,
-    /// When each node last passed a challenge this node set.
-    challenge_passes: HashMap<Address, Timestamp>,
-    /// Passes other nodes signed for this one, by verifier; carried in the ad.
-    own_passes: challenge::OwnPasses,
-    /// Jobs this node published, as requester.
-    jobs: std::collections::BTreeMap<cannabis_protocol::Uuid, jobs::Tracked>,
-    /// This node's leases, as worker.
-    leases: cannabis_market::lease::Leases,
-    /// What this node's own market requests were for, so their answers reach the job.
-    requests: HashMap<OutboundRequestId, jobs::Purpose>,
-    /// Challenges this node answered lately: who set them, with which seed. Only a pass for
-    /// one of them is kept.
-    answered: std::collections::VecDeque<(PeerId, cannabis_protocol::Digest)>,
 }
 
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
-/// spawns the driver. Returns the handle and the driver's task.
+/// spawns the driver. The executor opens and the machine is probed in the background (off
+/// the driver), so the swarm is up at once. Returns the handle and the driver's task.
 pub async fn start(
     config: NodeConfig,
     keys: NodeKeys,
@@ -161,8 +200,7 @@ pub async fn start(
     api_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<(NodeHandle, tokio::task::JoinHandle<()>)> {
     config.check()?;
-    let store = std::sync::Arc::new(Store::open(&data_dir.join("node.redb"))?);
-    let executor = open_executor(&config, data_dir, &store).await;
+    let store = Arc::new(Store::open(&data_dir.join("node.redb"))?);
     let libp2p_key = libp2p::identity::Keypair::ed25519_from_bytes(*keys.signing.secret())
         .context("turning the node key into a libp2p identity")?;
     let mut swarm = swarm::build(libp2p_key, &config)?;
@@ -180,11 +218,33 @@ pub async fn start(
     // Blocking work reports back on a channel of its own, so the driver still stops when
     // every outside handle is gone.
     let (internal_tx, internal_rx) = mpsc::channel(16);
+    let (executor_tx, executor_rx) = watch::channel(None);
+    let market_config = market_config(&config);
+    let identity = Identity {
+        address,
+        delivery: keys.delivery.recipient(),
+    };
+    let market = Market::restore(
+        market_config.clone(),
+        identity,
+        now().0,
+        store.load_records()?,
+    );
+    info!(
+        ads = market.view().ad_count(),
+        offers = market.view().offer_count(),
+        jobs = market.jobs().count(),
+        "market restored from the store"
+    );
     let mut node = Node {
         swarm,
-        view: View::new(ViewConfig::default()),
-        store,
-        executor: executor.clone(),
+        market,
+        market_config,
+        store: store.clone(),
+        executor: executor_rx.clone(),
+        opening: None,
+        probes_asked: 0,
+        probe_applied: 0,
         keys,
         config,
         address,
@@ -192,23 +252,35 @@ pub async fn start(
         data_dir: data_dir.to_path_buf(),
         api_addr,
         pending: HashMap::new(),
+        outbound: HashMap::new(),
+        inbound: HashMap::new(),
+        next_inbound: 0,
+        gossip: HashMap::new(),
+        next_gossip: 0,
+        sync: HashMap::new(),
+        next_sync: 0,
+        published_at: HashMap::new(),
         ping_rtt: HashMap::new(),
         connections: HashMap::new(),
         app_scores: HashMap::new(),
         software: None,
+        probe: None,
+        ad_unheard: false,
         self_tx: internal_tx.clone(),
         challenges: HashMap::new(),
         proving: None,
-        challenge_passes: HashMap::new(),
-        own_passes: challenge::OwnPasses::default(),
-        jobs: std::collections::BTreeMap::new(),
-        leases: cannabis_market::lease::Leases::new(address),
-        requests: HashMap::new(),
-        answered: std::collections::VecDeque::new(),
     };
-    node.restore()?;
+    node.drain();
     node.bootstrap();
     info!(%peer_id, %address, "node started");
+    node.opening = Some(open_executor(
+        &node.config,
+        data_dir,
+        &store,
+        executor_tx,
+        internal_tx.clone(),
+    ));
+    node.probe_machine(None);
     // Probing runtimes runs python3 (torch imports take seconds): off the driver.
     let probe_tx = internal_tx;
     tokio::task::spawn_blocking(move || {
@@ -216,77 +288,65 @@ pub async fn start(
         let _ = probe_tx.blocking_send(Command::Software(software));
     });
     let task = tokio::spawn(node.run(rx, internal_rx));
-    Ok((NodeHandle::new(tx, peer_id, address, executor), task))
+    Ok((NodeHandle::new(tx, peer_id, address, executor_rx), task))
 }
 
-/// Opens the local executor off the async threads (it starts a self-test sandbox). A node
-/// whose machine cannot run sandboxes still runs: it says why and takes no work.
-async fn open_executor(
+/// The engine's settings from the node's.
+fn market_config(config: &NodeConfig) -> MarketConfig {
+    MarketConfig {
+        view: ViewConfig::default(),
+        leases: config.leases.clone(),
+        worker: config.worker.clone(),
+        fanin: config.fanin.clone(),
+        signatures: cannabis_market::Signatures::Check,
+    }
+}
+
+/// Opens the local executor off the async threads (it starts a self-test sandbox and asks
+/// NVML for the GPUs). A node whose machine cannot run sandboxes still runs: it says why
+/// and takes no work.
+fn open_executor(
     config: &NodeConfig,
     data_dir: &Path,
-    store: &std::sync::Arc<Store>,
-) -> handle::ExecutorSlot {
+    store: &Arc<Store>,
+    slot: watch::Sender<handle::Opened>,
+    tell: mpsc::Sender<Command>,
+) -> tokio::task::JoinHandle<()> {
     let dir = data_dir.join("exec");
     let ceilings = crate::exec::ceilings_path(config.ceilings.as_deref());
     let owner = config.executor.clone();
     let cdi_map = config.owner.cdi_map.clone();
     let data_dir = data_dir.to_path_buf();
-    let journal: std::sync::Arc<dyn cannabis_runtime::exec::Journal> = store.clone();
-    let opened = tokio::task::spawn_blocking(move || {
+    let journal: Arc<dyn cannabis_runtime::exec::Journal> = store.clone();
+    tokio::task::spawn_blocking(move || {
         let gpus = cannabis_runtime::probe::gpus(&cannabis_runtime::gpu::Nvml, &[], None)
             .1
             .into_iter()
             .map(|g| g.uuid)
             .collect();
         let machine = crate::exec::machine_limits(&data_dir, gpus);
-        crate::exec::open(
+        let opened = crate::exec::open(
             &dir,
             &machine,
             &ceilings,
             &owner,
             cdi_map.as_deref(),
             journal,
-        )
+        );
+        match &opened {
+            Ok(ex) => info!(
+                layers = ?ex.layers().iter().map(|l| cannabis_runtime::exec::layer_name(*l)).collect::<Vec<_>>(),
+                cgroups = %ex.cgroups(),
+                "local executor ready"
+            ),
+            Err(e) => warn!(reason = %e, "no local executor: this node takes no work"),
+        }
+        let _ = slot.send(Some(Arc::new(opened)));
+        let _ = tell.blocking_send(Command::ExecutorReady);
     })
-    .await
-    .unwrap_or_else(|e| Err(format!("the executor did not open: {e}")));
-    match &opened {
-        Ok(ex) => info!(
-            layers = ?ex.layers().iter().map(|l| cannabis_runtime::exec::layer_name(*l)).collect::<Vec<_>>(),
-            cgroups = %ex.cgroups(),
-            "local executor ready"
-        ),
-        Err(e) => warn!(reason = %e, "no local executor: this node takes no work"),
-    }
-    std::sync::Arc::new(opened)
 }
 
 impl Node {
-    /// Loads what the store kept, re-verifying everything; drops what expired meanwhile.
-    fn restore(&mut self) -> anyhow::Result<()> {
-        let (now_ms, _) = now();
-        let mut kept = 0;
-        for kind in [Kind::Ad, Kind::Offer] {
-            for (received_us, bytes) in self.store.load(kind)? {
-                let verdict = match kind {
-                    Kind::Ad => self.view.on_ad(&bytes, None, now_ms, received_us),
-                    Kind::Offer => self.view.on_offer(&bytes, None, now_ms, received_us),
-                };
-                if matches!(verdict, cannabis_market::Verdict::Accept(_)) {
-                    kept += 1;
-                } else if let Some(key) = kind.key_of(&bytes) {
-                    // Expired meanwhile, or no longer valid: it leaves the store too.
-                    self.store.remove(kind, &key)?;
-                }
-            }
-        }
-        info!(kept, "market view restored from the store");
-        self.restore_passes()?;
-        self.restore_jobs()?;
-        self.restore_worker()?;
-        Ok(())
-    }
-
     fn bootstrap(&mut self) {
         for addr in self.config.bootstrap.clone() {
             if let Some(libp2p::multiaddr::Protocol::P2p(peer)) = addr.iter().last() {
@@ -313,52 +373,138 @@ impl Node {
     ) {
         let mut ad_timer =
             tokio::time::interval(Duration::from_secs(self.config.gossip.ad_refresh_secs));
-        let mut expiry = tokio::time::interval(Duration::from_millis(250));
-        expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ad_timer.tick().await;
         loop {
-            // Jobs are woken exactly when their state machine asks (end of a bid window,
-            // an award's deadline, a renewal), not at the next expiry tick.
-            let job_wake = self.next_job_wake();
+            // The engine is woken exactly when it asks (end of a bid window, an award's
+            // deadline, a renewal, an expiry), on the monotonic clock.
+            let wake = self.market.poll_timeout().map(|at| {
+                let wait = at.0.saturating_sub(now().0.0);
+                tokio::time::Instant::now() + Duration::from_millis(wait)
+            });
             tokio::select! {
-                event = self.swarm.select_next_some() => self.on_swarm_event(event),
-                () = sleep_until(job_wake) => self.tick_jobs(),
+                event = self.swarm.select_next_some() => {
+                    self.on_swarm_event(event);
+                    // Whatever else is ready goes in the same turn: one write for a burst.
+                    for _ in 1..BATCH {
+                        match self.swarm.next().now_or_never() {
+                            Some(Some(event)) => self.on_swarm_event(event),
+                            _ => break,
+                        }
+                    }
+                }
+                () = sleep_until(wake) => self.market.handle(now().0, Input::Tick),
                 command = commands.recv() => match command {
                     Some(c) => self.on_command(c),
                     None => break,
                 },
                 Some(command) = internal.recv() => self.on_command(command),
-                _ = ad_timer.tick() => {
-                    if let Err(e) = self.publish_ad() {
-                        warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
-                    }
-                }
-                _ = expiry.tick() => {
-                    self.expire();
-                    self.tick_jobs();
-                }
+                _ = ad_timer.tick() => self.probe_machine(None),
             }
+            self.drain();
+        }
+        // The executor's opening holds the store: the node is stopped when it is done.
+        if let Some(opening) = self.opening.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(60), opening).await;
         }
         info!("node stopped");
     }
 
-    fn expire(&mut self) {
-        let (now_ms, _) = now();
-        let dropped = self.view.expire(now_ms);
-        for node in dropped.ads {
-            debug!(%node, "capability ad expired");
-            if let Err(e) = self.store.remove(Kind::Ad, node.to_string().as_bytes()) {
-                warn!(error = %e, "store");
+    /// Carries out what the engine asks, in order, until it has nothing more (or waits).
+    pub(super) fn drain(&mut self) {
+        while let Some(output) = self.market.poll_output() {
+            match output {
+                Output::Persist { batch, ops } => match self.store.apply(&ops) {
+                    Ok(()) => self.market.persisted(batch),
+                    Err(e) => {
+                        error!(error = %format!("{e:#}"), "the store refused a write; the market restarts from what it holds");
+                        self.restore_market();
+                    }
+                },
+                Output::Validate { origin, verdict } => self.on_verdict(origin, verdict),
+                Output::Send { req, to, msg } => self.send(req, to, msg),
+                Output::Reply { req, answer } => self.reply(req, answer),
+                Output::Publish(cannabis_market::Publish::Offer(offer)) => {
+                    self.publish_offer_signed(offer);
+                }
+                Output::Penalize { peer, why } => {
+                    if let Some(peer) = swarm::peer_of(&peer) {
+                        self.penalize(peer, directed::BAD_REQUEST_PENALTY, &why.to_string());
+                    }
+                }
+                Output::Event(e) => self.on_event(e),
             }
         }
-        for job in dropped.offers {
-            info!(%job, "offer expired");
-            if let Err(e) = self.store.remove(Kind::Offer, &job.0) {
-                warn!(error = %e, "store");
+    }
+
+    /// After a failed write the engine is rebuilt from the store, which is still the truth:
+    /// what was not written is forgotten, and nothing that depended on it was sent.
+    fn restore_market(&mut self) {
+        let identity = self.market.identity().clone();
+        match self.store.load_records() {
+            Ok(records) => {
+                self.market =
+                    Market::restore(self.market_config.clone(), identity, now().0, records);
+            }
+            Err(e) => error!(error = %format!("{e:#}"), "cannot read the store"),
+        }
+        // Requests the old engine had not answered get no answer: their senders time out.
+        self.inbound.clear();
+        self.outbound.clear();
+    }
+
+    fn on_event(&mut self, e: MarketEvent) {
+        match e {
+            MarketEvent::BidSent { job, task, price } => info!(%job, task, %price, "bid sent"),
+            MarketEvent::Declined { job, task, reason } => info!(%job, task, %reason, "declined"),
+            MarketEvent::BidTaken {
+                job,
+                task,
+                worker,
+                price,
+            } => info!(%job, task, %worker, %price, "bid received"),
+            MarketEvent::Awarded {
+                job,
+                task,
+                rank,
+                epoch,
+                worker,
+            } => info!(%job, task, rank, epoch, %worker, "award sent"),
+            MarketEvent::Widened { job } => info!(%job, "too few bids: the offer's call widened"),
+            MarketEvent::TaskLeased { job, task } => {
+                info!(%job, task, "every rank holds a current lease");
+            }
+            MarketEvent::JobEnded { job, state } => info!(%job, ?state, "job ended"),
+            MarketEvent::LeaseTaken { key, epoch } => {
+                info!(job = %key.0, task = key.1, rank = key.2, epoch, "award countersigned");
+            }
+            MarketEvent::LeaseEnded { key, epoch, reason } => {
+                info!(job = %key.0, task = key.1, rank = key.2, epoch, %reason, "lease ended");
+            }
+            MarketEvent::PassKept { verifier } => {
+                info!(%verifier, "challenge pass received");
+                self.publish_ad_now();
+            }
+            MarketEvent::Refused { from, what, why } => {
+                info!(peer = %from, reason = %why, "{what} refused");
+            }
+            MarketEvent::Answered { what, to, result } => match result {
+                Ok(cannabis_market::Answer::Ack) => debug!(%to, "{what} taken"),
+                Ok(cannabis_market::Answer::Refused(reason)) => {
+                    info!(%to, %reason, "{what} refused by the peer");
+                }
+                Err(error) => info!(%to, %error, "{what} not delivered"),
+            },
+            MarketEvent::Expired { ads, offers } => {
+                debug!(ads, "capability ads expired");
+                for job in offers {
+                    info!(%job, "offer expired");
+                }
             }
         }
     }
 
     fn on_command(&mut self, command: Command) {
+        let now_ms = now().0;
         match command {
             Command::Status(reply) => {
                 let _ = reply.send(self.status());
@@ -367,45 +513,54 @@ impl Node {
                 let _ = reply.send(self.peers());
             }
             Command::Ads(reply) => {
-                let matcher = self.matching_context();
+                let ctx = self.market.context();
+                let local = self.market.local_passes();
                 let ads = self
-                    .view
+                    .market
+                    .view()
                     .ads()
                     .map(|e| {
                         let mut ad = api::Ad::from(e);
-                        ad.challenge_passed_at_ms =
-                            self.challenge_passes.get(&e.ad.node).map(|t| t.0);
-                        ad.newest_pass_at_ms = matcher.newest_pass(&e.ad, &[]).map(|t| t.0);
+                        ad.challenge_passed_at_ms = local.get(&e.ad().node).map(|t| t.0);
+                        ad.newest_pass_at_ms = ctx.newest_pass(e.ad(), &[]).map(|t| t.0);
                         ad
                     })
                     .collect();
                 let _ = reply.send(ads);
             }
             Command::Offers(reply) => {
-                let _ = reply.send(self.view.offers().map(api::Offer::from).collect());
+                let _ = reply.send(self.market.view().offers().map(api::Offer::from).collect());
             }
             Command::Bids(reply) => {
-                let _ = reply.send(self.received_bids());
+                let bids = self
+                    .market
+                    .received_bids()
+                    .into_iter()
+                    .map(|(b, id)| api::ReceivedBid {
+                        job_id: b.job_id.to_string(),
+                        task: b.task,
+                        worker: b.worker.to_string(),
+                        price: b.price,
+                        id: id.to_string(),
+                    })
+                    .collect();
+                let _ = reply.send(bids);
             }
             Command::PublishOffer(template, reply) => {
-                let _ = reply.send(self.publish_offer(template).map(|p| p.0));
+                let _ = reply.send(self.publish_offer(template));
             }
             Command::SubmitJob(template, reply) => {
                 let _ = reply.send(self.submit_job(template));
             }
             Command::Jobs(reply) => {
-                let _ = reply.send(self.jobs.values().map(|j| self.job_summary(j)).collect());
+                let _ = reply.send(self.market.jobs().map(api::JobSummary::of).collect());
             }
             Command::Leases(reply) => {
                 let held = self
-                    .leases
+                    .market
+                    .leases()
                     .iter()
-                    .map(|((job, task, rank), lease)| api::HeldLease {
-                        job_id: job.to_string(),
-                        task: *task,
-                        rank: *rank,
-                        lease: lease.clone(),
-                    })
+                    .map(|(k, l)| api::HeldLease::of(k, l))
                     .collect();
                 let _ = reply.send(held);
             }
@@ -413,14 +568,29 @@ impl Node {
                 let _ = reply.send(self.job_detail(&id));
             }
             Command::CancelJob(id, reply) => {
-                let _ = reply.send(self.cancel_job(&id));
+                let done = self
+                    .market
+                    .command(now_ms, MarketCommand::Cancel(id))
+                    .map_err(anyhow::Error::from);
+                self.drain();
+                let summary = done.and_then(|_| {
+                    self.market
+                        .job(&id)
+                        .map(api::JobSummary::of)
+                        .context("the job is gone")
+                });
+                let _ = reply.send(summary);
             }
             Command::Explain(template, reply) => {
-                let _ = reply.send(self.explain(&template));
+                let explained = self
+                    .market
+                    .explain(&template)
+                    .into_iter()
+                    .map(|(task, explanation)| api::TaskExplanation { task, explanation })
+                    .collect();
+                let _ = reply.send(Ok(explained));
             }
-            Command::PublishAd(reply) => {
-                let _ = reply.send(self.publish_ad());
-            }
+            Command::PublishAd(reply) => self.probe_machine(Some(reply)),
             Command::Market {
                 peer,
                 request,
@@ -444,11 +614,71 @@ impl Node {
             Command::Software(software) => {
                 info!(runtimes = ?software.0, collectives = ?software.1, "runtimes probed");
                 self.software = Some(software);
-                if let Err(e) = self.publish_ad() {
+                self.publish_ad_now();
+            }
+            Command::Probed(n, probe, reply) => {
+                if n > self.probe_applied {
+                    self.probe_applied = n;
+                    // The last good owner settings: what a broken file falls back to.
+                    self.config.owner = probe.owner.clone();
+                    self.probe = Some(*probe);
+                }
+                let published = self.publish_ad();
+                if let Err(e) = &published {
                     warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
                 }
+                if let Some(reply) = reply {
+                    let _ = reply.send(published);
+                }
             }
+            Command::ExecutorReady => self.publish_ad_now(),
         }
+    }
+
+    fn submit_job(&mut self, template: OfferTemplate) -> anyhow::Result<api::JobSummary> {
+        let nonce = *crate::keystore::random_bytes::<16>()?;
+        let done = self
+            .market
+            .command(now().0, MarketCommand::Submit { template, nonce });
+        self.drain();
+        let cannabis_market::CommandOk::Submitted { job, .. } = done? else {
+            anyhow::bail!("the market did not create a job");
+        };
+        self.market
+            .job(&job)
+            .map(api::JobSummary::of)
+            .context("the job is gone")
+    }
+
+    fn publish_offer(&mut self, template: OfferTemplate) -> anyhow::Result<api::Published> {
+        let nonce = *crate::keystore::random_bytes::<16>()?;
+        let done = self
+            .market
+            .command(now().0, MarketCommand::PublishOffer { template, nonce });
+        self.drain();
+        let cannabis_market::CommandOk::Submitted { job, offer } = done? else {
+            anyhow::bail!("the market did not publish the offer");
+        };
+        let published_at_us = self
+            .published_at
+            .remove(&job)
+            .context("the offer was not published")?;
+        Ok(api::Published {
+            job_id: job.to_string(),
+            id: offer.to_string(),
+            published_at_us,
+        })
+    }
+
+    fn job_detail(&self, id: &cannabis_protocol::Uuid) -> anyhow::Result<api::JobDetail> {
+        let job = self
+            .market
+            .job(id)
+            .ok_or_else(|| anyhow::anyhow!("this node published no job {id}"))?;
+        let ctx = self.market.context();
+        Ok(api::JobDetail::of(job, |spec| {
+            cannabis_market::matching::explain(spec, self.market.worker_ads(), &ctx)
+        }))
     }
 
     fn status(&self) -> api::Status {
@@ -465,8 +695,8 @@ impl Node {
                     peers: gossipsub.mesh_peers(&t.ident().hash()).count(),
                 })
                 .collect(),
-            ads: self.view.ads().count(),
-            offers: self.view.offers().count(),
+            ads: self.market.view().ad_count(),
+            offers: self.market.view().offer_count(),
             uptime_secs: self.started.elapsed().as_secs(),
             version: env!("CARGO_PKG_VERSION").to_string(),
         }

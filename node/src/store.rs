@@ -4,20 +4,23 @@
 //! guarantee) and has open reports of databases that will not open after an abrupt stop.
 //! redb is ACID and durable when `commit` returns. See `docs/architecture.md`.
 //!
-//! What is kept: the signed ads and offers of the live market view (so a restart keeps what
-//! is still valid; everything is re-verified when loaded), bids received for this node's
-//! offers, challenge passes other nodes signed for this one (keyed by verifier), the jobs
-//! this node published with their leases and epochs (JSON, keyed by job id), the bids and
-//! leases it holds as a worker, the executor's attempt journal, and the node's sequence counters (so a restart never reuses a sequence number).
+//! What is kept: the market engine's records (`cannabis_market::Record`): the signed ads and
+//! offers of the live view (re-verified when loaded), challenge passes other nodes signed
+//! for this one (by verifier), the jobs this node published with their bids, leases and
+//! epochs (JSON, by job id), the bids and leases it holds as a worker, and the sequence
+//! counters (so a restart never reuses a sequence number); each batch the engine asks for
+//! is one transaction. Beside them: the executor's attempt journal.
 
 use std::path::Path;
 
 use anyhow::Context as _;
+use cannabis_market::lease::AssignmentKey;
+use cannabis_market::{Record, RecordKey, RecordOp};
+use cannabis_protocol::Uuid;
 use redb::{Database, ReadableDatabase as _, ReadableTable as _, TableDefinition};
 
 const ADS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("ads");
 const OFFERS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("offers");
-const BIDS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("bids");
 const COUNTERS: TableDefinition<'_, &str, u64> = TableDefinition::new("counters");
 const PASSES: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("challenge_passes");
 const JOBS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("jobs");
@@ -27,71 +30,77 @@ const EXEC: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("exec_journ
 
 type Table = TableDefinition<'static, &'static [u8], &'static [u8]>;
 
+const TABLES: [Table; 7] = [ADS, OFFERS, PASSES, JOBS, WORKER_BIDS, WORKER_LEASES, EXEC];
+
+fn assignment_key(key: &AssignmentKey) -> Vec<u8> {
+    let mut k = key.0.0.to_vec();
+    k.extend_from_slice(&key.1.to_le_bytes());
+    k.extend_from_slice(&key.2.to_le_bytes());
+    k
+}
+
+fn parse_assignment_key(k: &[u8]) -> Option<AssignmentKey> {
+    let uuid: [u8; 16] = k.get(..16)?.try_into().ok()?;
+    let task = u32::from_le_bytes(k.get(16..20)?.try_into().ok()?);
+    let rank = u32::from_le_bytes(k.get(20..24)?.try_into().ok()?);
+    Some((Uuid(uuid), task, rank))
+}
+
+/// Where a market record lives: its table and key (counters have a table of their own,
+/// name to `u64`).
+fn place(key: &RecordKey) -> Option<(Table, Vec<u8>)> {
+    Some(match key {
+        RecordKey::Ad(node) => (ADS, node.to_string().into_bytes()),
+        RecordKey::Offer(job) => (OFFERS, job.0.to_vec()),
+        RecordKey::Job(job) => (JOBS, job.0.to_vec()),
+        RecordKey::SentBid(id) => (WORKER_BIDS, id.0.to_vec()),
+        RecordKey::Lease(k) => (WORKER_LEASES, assignment_key(k)),
+        RecordKey::Pass(v) => (PASSES, v.to_string().into_bytes()),
+        RecordKey::Counter(_) => return None,
+    })
+}
+
+fn timed(received_us: u64, signed: &[u8]) -> Vec<u8> {
+    let mut value = Vec::with_capacity(8 + signed.len());
+    value.extend_from_slice(&received_us.to_le_bytes());
+    value.extend_from_slice(signed);
+    value
+}
+
+fn untimed(v: &[u8]) -> Option<(u64, &[u8])> {
+    let (time, rest) = v.split_at_checked(8)?;
+    Some((u64::from_le_bytes(time.try_into().ok()?), rest))
+}
+
+/// The value a market record is stored as.
+fn encode(record: &Record) -> anyhow::Result<Vec<u8>> {
+    Ok(match record {
+        Record::Ad {
+            signed,
+            received_us,
+            ..
+        } => timed(*received_us, &signed.to_bytes()),
+        Record::Offer {
+            signed,
+            received_us,
+            ..
+        } => timed(*received_us, &signed.to_bytes()),
+        Record::Job(job) => serde_json::to_vec(job)?,
+        Record::SentBid(_, sent) => serde_json::to_vec(sent)?,
+        Record::Lease(_, lease) => serde_json::to_vec(lease)?,
+        Record::Pass { signed, .. } => signed.to_bytes(),
+        Record::Counter(_, value) => value.to_le_bytes().to_vec(),
+    })
+}
+
+/// Turns a stored row (key, value) back into a market record.
+type Decoder<'a> = dyn FnMut(&[u8], &[u8]) -> Option<Record> + 'a;
+
 /// Records a store keeps as opaque bytes under a byte key.
 #[derive(Clone, Copy, Debug)]
 pub enum Records {
-    /// Verified bids for this node's offers (signed bytes), by message id.
-    Bids,
-    /// Jobs this node published (JSON), by job id.
-    Jobs,
-    /// Challenge passes for this node (signed bytes), by verifier.
-    Passes,
-    /// Bids this node sent as a worker (JSON), by message id.
-    WorkerBids,
-    /// Leases this node holds as a worker (JSON), by assignment.
-    WorkerLeases,
     /// The executor's attempt journal and owner switch (JSON), by record key.
     Exec,
-}
-
-impl Records {
-    fn table(self) -> Table {
-        match self {
-            Records::Bids => BIDS,
-            Records::Jobs => JOBS,
-            Records::Passes => PASSES,
-            Records::WorkerBids => WORKER_BIDS,
-            Records::WorkerLeases => WORKER_LEASES,
-            Records::Exec => EXEC,
-        }
-    }
-}
-
-/// Which gossip table.
-#[derive(Clone, Copy, Debug)]
-pub enum Kind {
-    /// Capability ads, keyed by node address.
-    Ad,
-    /// Job offers, keyed by job id.
-    Offer,
-}
-
-impl Kind {
-    /// The key a signed message of this kind is kept under (the node's address for ads,
-    /// the job id for offers), read from its payload without checking the signature again:
-    /// only messages the market view accepted are kept.
-    pub fn key_of(self, signed: &[u8]) -> Option<Vec<u8>> {
-        use cannabis_protocol::{CapabilityAd, JobOffer, Signed, decode};
-        match self {
-            Kind::Ad => {
-                let s = Signed::<CapabilityAd>::from_bytes(signed).ok()?;
-                let ad: CapabilityAd = decode(s.payload()).ok()?;
-                Some(ad.node.to_string().into_bytes())
-            }
-            Kind::Offer => {
-                let s = Signed::<JobOffer>::from_bytes(signed).ok()?;
-                let offer: JobOffer = decode(s.payload()).ok()?;
-                Some(offer.job_id.0.to_vec())
-            }
-        }
-    }
-
-    fn table(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
-        match self {
-            Kind::Ad => ADS,
-            Kind::Offer => OFFERS,
-        }
-    }
 }
 
 /// The node's store.
@@ -105,64 +114,119 @@ impl Store {
         let db = Database::create(path)
             .with_context(|| format!("opening the store at {}", path.display()))?;
         let txn = db.begin_write()?;
-        txn.open_table(ADS)?;
-        txn.open_table(OFFERS)?;
         txn.open_table(COUNTERS)?;
-        for r in [
-            Records::Bids,
-            Records::Jobs,
-            Records::Passes,
-            Records::WorkerBids,
-            Records::WorkerLeases,
-            Records::Exec,
-        ] {
-            txn.open_table(r.table())?;
+        for t in TABLES {
+            txn.open_table(t)?;
         }
+        // Bids received for offers were kept here once; they now live in their jobs.
+        let _ = txn.delete_table(TableDefinition::<&[u8], &[u8]>::new("bids"));
         txn.commit()?;
         Ok(Self { db })
     }
 
-    /// Keeps a verified gossip message, replacing the previous one under `key`.
-    pub fn put(
-        &self,
-        kind: Kind,
-        key: &[u8],
-        received_at_us: u64,
-        signed: &[u8],
-    ) -> anyhow::Result<()> {
-        let mut value = Vec::with_capacity(8 + signed.len());
-        value.extend_from_slice(&received_at_us.to_le_bytes());
-        value.extend_from_slice(signed);
+    /// Writes a batch of the market's records in one transaction: durable when this
+    /// returns, or not written at all.
+    pub fn apply(&self, ops: &[RecordOp]) -> anyhow::Result<()> {
         let txn = self.db.begin_write()?;
-        txn.open_table(kind.table())?
-            .insert(key, value.as_slice())?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Forgets the message under `key`.
-    pub fn remove(&self, kind: Kind, key: &[u8]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
-        txn.open_table(kind.table())?.remove(key)?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Every kept message of `kind`, as `(received_at_us, signed bytes)`.
-    pub fn load(&self, kind: Kind) -> anyhow::Result<Vec<(u64, Vec<u8>)>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(kind.table())?;
-        let mut out = Vec::new();
-        for row in table.iter()? {
-            let (_, v) = row?;
-            let v = v.value();
-            if v.len() < 8 {
-                continue;
+        {
+            let mut counters = txn.open_table(COUNTERS)?;
+            for op in ops {
+                match op {
+                    RecordOp::Put(Record::Counter(name, value)) => {
+                        counters.insert(name.as_str(), *value)?;
+                    }
+                    RecordOp::Delete(RecordKey::Counter(name)) => {
+                        counters.remove(name.as_str())?;
+                    }
+                    RecordOp::Put(record) => {
+                        if let Some((table, key)) = place(&record.key()) {
+                            let value = encode(record)?;
+                            txn.open_table(table)?
+                                .insert(key.as_slice(), value.as_slice())?;
+                        }
+                    }
+                    RecordOp::Delete(key) => {
+                        if let Some((table, key)) = place(key) {
+                            txn.open_table(table)?.remove(key.as_slice())?;
+                        }
+                    }
+                }
             }
-            let (time, signed) = v.split_at(8);
-            let mut t = [0u8; 8];
-            t.copy_from_slice(time);
-            out.push((u64::from_le_bytes(t), signed.to_vec()));
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Every market record kept. Values that no longer decode are named in the log and
+    /// left where they are.
+    pub fn load_records(&self) -> anyhow::Result<Vec<Record>> {
+        use cannabis_protocol::{Address, Digest, Signed};
+        let txn = self.db.begin_read()?;
+        let mut out = Vec::new();
+        let mut skipped = 0usize;
+        let mut rows = |table: Table, f: &mut Decoder<'_>| {
+            let t = txn.open_table(table)?;
+            for row in t.iter()? {
+                let (k, v) = row?;
+                match f(k.value(), v.value()) {
+                    Some(r) => out.push(r),
+                    None => skipped += 1,
+                }
+            }
+            anyhow::Ok(())
+        };
+        let address = |k: &[u8]| std::str::from_utf8(k).ok()?.parse::<Address>().ok();
+        rows(ADS, &mut |k, v| {
+            let (received_us, bytes) = untimed(v)?;
+            Some(Record::Ad {
+                node: address(k)?,
+                signed: Signed::from_bytes(bytes).ok()?,
+                received_us,
+            })
+        })?;
+        rows(OFFERS, &mut |k, v| {
+            let (received_us, bytes) = untimed(v)?;
+            Some(Record::Offer {
+                job: Uuid(k.try_into().ok()?),
+                signed: Signed::from_bytes(bytes).ok()?,
+                received_us,
+            })
+        })?;
+        rows(JOBS, &mut |_, v| {
+            serde_json::from_slice(v)
+                .ok()
+                .map(|j| Record::Job(Box::new(j)))
+        })?;
+        rows(WORKER_BIDS, &mut |k, v| {
+            Some(Record::SentBid(
+                Digest(k.try_into().ok()?),
+                serde_json::from_slice(v).ok()?,
+            ))
+        })?;
+        rows(WORKER_LEASES, &mut |k, v| {
+            Some(Record::Lease(
+                parse_assignment_key(k)?,
+                serde_json::from_slice(v).ok()?,
+            ))
+        })?;
+        rows(PASSES, &mut |k, v| {
+            Some(Record::Pass {
+                verifier: address(k)?,
+                signed: Signed::from_bytes(v).ok()?,
+            })
+        })?;
+        let counters = txn.open_table(COUNTERS)?;
+        for row in counters.iter()? {
+            let (k, v) = row?;
+            if k.value() != "ad" {
+                out.push(Record::Counter(k.value().to_string(), v.value()));
+            }
+        }
+        if skipped > 0 {
+            tracing::warn!(
+                skipped,
+                "kept market records that no longer decode were left in the store"
+            );
         }
         Ok(out)
     }
@@ -171,14 +235,6 @@ impl Store {
     pub fn put_record(&self, records: Records, key: &[u8], value: &[u8]) -> anyhow::Result<()> {
         let txn = self.db.begin_write()?;
         txn.open_table(records.table())?.insert(key, value)?;
-        txn.commit()?;
-        Ok(())
-    }
-
-    /// Forgets the record under `key`.
-    pub fn remove_record(&self, records: Records, key: &[u8]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
-        txn.open_table(records.table())?.remove(key)?;
         txn.commit()?;
         Ok(())
     }
@@ -212,6 +268,14 @@ impl Store {
     }
 }
 
+impl Records {
+    fn table(self) -> Table {
+        match self {
+            Records::Exec => EXEC,
+        }
+    }
+}
+
 /// The executor's journal: every record is committed (durably) before `put` returns.
 impl cannabis_runtime::exec::Journal for Store {
     fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
@@ -231,24 +295,52 @@ impl cannabis_runtime::exec::Journal for Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cannabis_protocol::{Keypair, Signed, Timestamp};
 
     #[test]
-    fn survives_reopening() {
+    fn records_survive_reopening_and_deletes_are_applied() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("node.redb");
+        let k = Keypair::from_secret([3; 32]);
+        let pass = cannabis_protocol::ChallengePass {
+            verifier: k.address(),
+            worker: Keypair::from_secret([4; 32]).address(),
+            seed: cannabis_protocol::Digest([1; 32]),
+            n: 64,
+            rounds: 1,
+            claimed_cores: 2,
+            took_ms: 1,
+            deadline_ms: 10,
+            passed_at: Timestamp(5),
+        };
         {
             let s = Store::open(&path).unwrap();
-            s.put(Kind::Offer, b"job", 7, b"signed").unwrap();
-            s.put(Kind::Ad, b"node", 8, b"ad").unwrap();
+            s.apply(&[
+                RecordOp::Put(Record::Counter("offer".into(), 7)),
+                RecordOp::Put(Record::Pass {
+                    verifier: k.address(),
+                    signed: Signed::sign(&k, &pass),
+                }),
+            ])
+            .unwrap();
             assert_eq!(s.next_seq("ad", 0).unwrap(), 1);
             assert_eq!(s.next_seq("ad", 0).unwrap(), 2);
         }
         let s = Store::open(&path).unwrap();
-        assert_eq!(s.load(Kind::Offer).unwrap(), vec![(7, b"signed".to_vec())]);
+        let records = s.load_records().unwrap();
+        assert_eq!(records.len(), 2, "{records:?}");
+        assert!(
+            records
+                .iter()
+                .any(|r| matches!(r, Record::Counter(n, 7) if n == "offer"))
+        );
         assert_eq!(s.next_seq("ad", 0).unwrap(), 3);
         assert_eq!(s.next_seq("ad", 100).unwrap(), 100);
-        s.remove(Kind::Offer, b"job").unwrap();
-        assert!(s.load(Kind::Offer).unwrap().is_empty());
-        assert_eq!(s.load(Kind::Ad).unwrap().len(), 1);
+        s.apply(&[
+            RecordOp::Delete(RecordKey::Pass(k.address())),
+            RecordOp::Delete(RecordKey::Counter("offer".into())),
+        ])
+        .unwrap();
+        assert!(s.load_records().unwrap().is_empty());
     }
 }

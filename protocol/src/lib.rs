@@ -39,6 +39,7 @@
 mod bytes;
 pub mod challenge;
 mod codec;
+pub mod draw;
 mod identity;
 pub mod merkle;
 mod messages;
@@ -52,6 +53,7 @@ pub use bytes::{Digest, HexError, PublicKeyBytes, SignatureBytes};
 pub use codec::{
     DecodeError, Invalid, Message, Wire, decode, decode_with_limit, encode, to_canonical,
 };
+pub use draw::BidCall;
 pub use identity::{
     ADDRESS_HRP, Address, AddressError, BadSignature, DeliveryIdentity, DeliveryRecipient,
     KeyError, Keypair,
@@ -61,5 +63,7 @@ pub use money::{
     Amount, BPS_DENOMINATOR, FOUNDER_FEE_BPS, FeeTerms, MoneyError, Outcome, PPM_DENOMINATOR,
     Quote, Split, fee_on,
 };
-pub use signed::{ENVELOPE_OVERHEAD, OpenError, Signed, Verified, message_id, signing_input};
+pub use signed::{
+    ENVELOPE_OVERHEAD, OpenError, Received, Signed, Verified, message_id, signing_input,
+};
 pub use types::{Fixed, Timestamp, Uuid, UuidError};

@@ -82,7 +82,7 @@ impl std::str::FromStr for Amount {
 }
 
 /// Money errors. None is ever silently absorbed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum MoneyError {
     /// An addition overflowed `u64`.
     #[error("amount overflow")]

@@ -65,6 +65,52 @@ pub struct Verified<T> {
     pub id: Digest,
 }
 
+/// A message decoded, whose author and rules are checked but whose signature is not yet.
+///
+/// What a receiver looks at first, to drop duplicates, expired and stale messages (and bids
+/// from workers the offer did not draw) before it spends a signature check on them. It
+/// proves nothing: nothing is kept, forwarded or acted on before [`Received::check_signature`]
+/// passed.
+#[derive(Debug, Clone)]
+pub struct Received<T> {
+    /// The envelope as it arrived (to store, serve and forward).
+    pub signed: Signed<T>,
+    /// The key the envelope names as signer (which the body's author must be).
+    pub signer: Address,
+    /// The decoded message.
+    pub body: T,
+    /// Its message id.
+    pub id: Digest,
+}
+
+impl<T: Message> Received<T> {
+    /// Checks the signature: the last step before the message is believed.
+    pub fn check_signature(&self) -> Result<(), OpenError> {
+        self.signer
+            .verify(
+                &signing_input(T::DOMAIN, &self.signed.payload),
+                &self.signed.signature,
+            )
+            .map_err(OpenError::from)
+    }
+
+    /// A message as if received from `signer`, with an all-zero signature that never
+    /// verifies: for simulations that model the cost of cryptography instead of paying it.
+    pub fn assumed(body: T, signer: Address) -> Self {
+        let signed = Signed::from_parts(
+            codec::encode(&body),
+            PublicKeyBytes(*signer.public_key()),
+            SignatureBytes([0; 64]),
+        );
+        Self {
+            id: signed.id(),
+            signed,
+            signer,
+            body,
+        }
+    }
+}
+
 /// The id a message will have once signed, by anyone: SHA-256 of `T::DOMAIN || 0x00 ||`
 /// its canonical payload. Lets the sans-IO market refer to the awards it asks the node to
 /// sign.
@@ -130,6 +176,29 @@ impl<T: Message> Signed<T> {
             signer,
             body,
             id: self.id(),
+        })
+    }
+
+    /// Decodes the payload and makes every check of [`Signed::verify`] but the signature:
+    /// the signer key is usable, the body's author is that key, the type's rules hold.
+    /// Check the signature ([`Received::check_signature`]) before believing it.
+    pub fn open(self) -> Result<Received<T>, OpenError> {
+        let signer = self.signer()?;
+        let body: T = codec::decode(&self.payload)?;
+        if let Some(claimed) = body.claimed_signer()
+            && *claimed != signer
+        {
+            return Err(OpenError::SignerMismatch {
+                claimed: *claimed,
+                actual: signer,
+            });
+        }
+        body.validate()?;
+        Ok(Received {
+            id: self.id(),
+            signed: self,
+            signer,
+            body,
         })
     }
 

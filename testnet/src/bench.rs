@@ -85,8 +85,8 @@ fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64)> {
         if let (Some(start), Some(done)) = (at("offer published"), at("every rank holds")) {
             return Ok((group, done.ms_since(start)));
         }
-        if let cannabis_market::job::TaskStatus::Failed(why) = &detail.tasks[0].status {
-            anyhow::bail!("the benchmark job failed: {why}");
+        if let status @ cannabis_market::job::TaskStatus::Failed(_) = &detail.tasks[0].status {
+            anyhow::bail!("the benchmark job {status}");
         }
         anyhow::ensure!(
             Instant::now() < deadline,
@@ -121,6 +121,7 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
         review_window_ms: 60 * 60_000,
         acceptance: Vec::new(),
         fee_recipient: None,
+        early: None,
     }
 }
 

@@ -1,6 +1,8 @@
-//! A deterministic simulation of the market: hundreds of simulated nodes and offers driven
-//! through the sans-IO state machines of `cannabis-market` with virtual time, a network
-//! that delays, drops and duplicates messages, and workers that crash mid-lease.
+//! A deterministic simulation of the market: many simulated nodes, each running the real
+//! market engine ([`cannabis_market::Market`], through the same in-memory driver the
+//! market's own tests use), with virtual time, a network that delays, drops and duplicates
+//! messages, workers that crash and come back from their stores, and a CPU model that
+//! charges each node what the real node spends per message (see [`Costs`]).
 //!
 //! The same seed gives the same run, step for step. The random numbers come from
 //! SplitMix64, written out below rather than taken from `rand`: a simulation seed must
@@ -8,24 +10,71 @@
 //! not promise a stable sequence across versions.
 //!
 //! Checked during the run: the same assignment and epoch is never countersigned by two
-//! workers, and no job commits or spends more than its budget. Checked at the end: every
-//! job ended in a defined state, nothing is left committed, and for every job
-//! `spent + refund == budget`.
+//! workers. Checked at the end: every job ended in a defined state, nothing is left
+//! committed, and for every job `spent + refund == budget`.
+//!
+//! Two shortcuts keep 100,000 nodes within minutes, and neither changes what the engines
+//! decide. An offer is handed only to the workers its bid call can draw (found on the
+//! draw's ring, checked with the same pure function the engine uses; the engine decides
+//! again): the others would only have stored it. Their cost of receiving it is charged as a
+//! share of every node's CPU (`rate * offer_in`), instead of one event per node and offer.
+//! A test runs a small network both ways and gets the same report.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::sync::Arc;
 
-use cannabis_market::job::{Action, Job, JobState, LeaseConfig};
-use cannabis_market::lease::{AssignmentKey, Leases};
-use cannabis_market::matching::Context;
-use cannabis_market::placement::Class;
-use cannabis_market::quote::{self, Answer, WorkerPolicy};
+use cannabis_market::job::{Early, JobState, LeaseConfig};
+use cannabis_market::lease::AssignmentKey;
+use cannabis_market::placement::{self, Candidate, Class};
+use cannabis_market::quote::{self, WorkerPolicy};
+use cannabis_market::testkit::net::{Envelope, Node};
 use cannabis_market::testkit::{self, Machine};
-use cannabis_protocol::{
-    Address, Bid, CapabilityAd, Decline, GpuVendor, LeaseAccept, LeaseRenewal, Timestamp,
-    message_id,
+use cannabis_market::{
+    Command, CommandOk, Identity, Inbound, Input, MarketConfig, MarketEvent, Refusal, Signatures,
 };
-use serde::Serialize;
+use cannabis_protocol::draw;
+use cannabis_protocol::{
+    Address, Amount, CapabilityAd, DeliveryIdentity, GpuVendor, JobOffer, Received, Timestamp,
+    Uuid, message_id,
+};
+use serde::{Deserialize, Serialize};
+
+/// What each kind of work costs a node's CPU, in microseconds, as measured on the real
+/// code by `cannabis testnet calibrate` (which writes this as JSON).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Costs {
+    /// Receiving a gossiped offer: decode, signature check, the engine's view and quote.
+    pub offer_in_us: f64,
+    /// Sizing an offer's bid calls and making it (the requester).
+    pub submit_us: f64,
+    /// Signing and encoding one directed message (bid, award, acceptance, renewal).
+    pub sign_us: f64,
+    /// Receiving a bid: decode, signature check, the engine's admission.
+    pub bid_in_us: f64,
+    /// Receiving any other directed message (award, acceptance, renewal, cancellation,
+    /// decline): decode, signature check, the engine.
+    pub directed_in_us: f64,
+    /// Receiving an answer to a request.
+    pub answer_in_us: f64,
+    /// One durable write of a batch (the store's commit, with its fsync).
+    pub persist_us: f64,
+    /// Where the figures came from.
+    pub measured: String,
+}
+
+/// The shape of the work offered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// Task graphs of up to three tasks, groups, GPUs, runs of seconds to minutes, a bid
+    /// window of 10 s: the market's rules under stress.
+    Mixed,
+    /// Single tasks (a tenth groups of two), a bid window of 2 s with early placement, a
+    /// deadline of 60 s, runs of 2 to 10 s: how many offers a second the network places.
+    Capacity,
+}
 
 /// What to simulate.
 #[derive(Clone, Debug)]
@@ -48,6 +97,16 @@ pub struct SimConfig {
     pub dup_pct: u64,
     /// Percent of leases whose worker crashes while running.
     pub crash_pct: u64,
+    /// The work offered.
+    pub workload: Workload,
+    /// The CPU each kind of work costs (all zero: no CPU model).
+    pub costs: Costs,
+    /// Hand every offer to every node instead of to the workers its call can draw (to
+    /// check that the shortcut changes nothing).
+    pub full_delivery: bool,
+    /// Compare the price of every `price_sample`-th placement with the placement on the
+    /// bids of every matching worker (0: never).
+    pub price_sample: usize,
 }
 
 impl Default for SimConfig {
@@ -62,23 +121,57 @@ impl Default for SimConfig {
             drop_pct: 2,
             dup_pct: 2,
             crash_pct: 1,
+            workload: Workload::Mixed,
+            costs: Costs::default(),
+            full_delivery: false,
+            price_sample: 10,
         }
     }
 }
 
+/// Percentiles of a distribution.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Spread {
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+fn spread(mut v: Vec<f64>) -> Spread {
+    if v.is_empty() {
+        return Spread::default();
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    Spread {
+        p50: at(0.5),
+        p99: at(0.99),
+        max: v[v.len() - 1],
+    }
+}
+
 /// What happened.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct SimReport {
     /// Nodes simulated.
     pub nodes: usize,
     /// Offers published.
     pub offers: usize,
+    /// Offers published per second of virtual time.
+    pub offer_rate: f64,
+    /// Jobs whose first task held every lease before the deadline, as a share of offers.
+    pub placed_share: f64,
     /// Jobs whose every task delivered.
     pub completed: usize,
     /// Jobs that failed (a task could not be placed or ran out of attempts or time).
     pub failed: usize,
     /// Jobs cancelled.
     pub cancelled: usize,
+    /// Bids kept per offer by the requester.
+    pub bids_per_offer: Spread,
     /// Bids sent.
     pub bids: u64,
     /// Signed declines sent.
@@ -89,15 +182,28 @@ pub struct SimReport {
     pub leases: u64,
     /// Assignments retried with a new epoch.
     pub retries: u64,
+    /// Calls widened for too few bids.
+    pub widened: u64,
     /// Messages refused for a stale epoch.
     pub stale_refused: u64,
     /// Awards refused because the worker was busy.
     pub busy_refused: u64,
+    /// Price of the chosen placement over the price of placement on every matching
+    /// worker's bid (sampled).
+    pub price_ratio: Spread,
+    /// Placements compared for `price_ratio`.
+    pub price_samples: usize,
+    /// Submission to every rank of the first task leased, ms.
+    pub placement_ms: Spread,
+    /// Largest share of one node's CPU in use, averaged over the run.
+    pub busiest_cpu: f64,
+    /// Every node's CPU share taken by receiving offers.
+    pub offer_cpu: f64,
     /// Messages sent.
     pub messages: u64,
     /// Messages lost.
     pub dropped: u64,
-    /// Events processed.
+    /// Engine calls made.
     pub events: u64,
     /// Virtual time simulated, ms.
     pub virtual_ms: u64,
@@ -131,40 +237,50 @@ impl Rng {
     }
 }
 
-enum Event {
-    Publish(usize),
-    /// A worker sees an offer (gossip).
-    SeeOffer {
-        worker: usize,
-        job: usize,
-    },
-    Bid(usize, Bid),
-    Decline(usize, Decline),
-    /// An action of job `.1` delivered to worker `.0`.
-    ToWorker(usize, usize, Action),
-    Accept(usize, LeaseAccept),
-    Renewed(usize, LeaseRenewal),
-    /// A worker refused an award (it is busy).
-    Refused(usize, cannabis_protocol::Award),
-    /// A running rank finished its work.
-    Finish {
-        job: usize,
+/// Something for a node to take in.
+enum Item {
+    Envelope(Envelope),
+    Submit(Box<cannabis_market::OfferTemplate>),
+    Delivered {
+        job: Uuid,
         key: AssignmentKey,
         epoch: u64,
-        worker: usize,
     },
-    Tick(usize),
+    Tick,
 }
 
-struct Worker {
-    address: Address,
-    ad: CapabilityAd,
-    policy: WorkerPolicy,
-    leases: Leases,
-    /// Crashed: answers nothing until then.
-    down_until: Option<Timestamp>,
-    /// Most leases it runs at once; it refuses awards beyond.
-    capacity: usize,
+enum Event {
+    /// An offer is submitted (template `.1`) on requester `.0`.
+    Publish(usize, usize),
+    /// Something reaches a node.
+    Arrive(usize, Item),
+    /// A node's CPU takes its inbox.
+    Run(usize),
+    /// A node's engine asked to be woken.
+    Wake(usize),
+    /// A running rank finished its work.
+    Finish {
+        worker: usize,
+        job: Uuid,
+        key: AssignmentKey,
+        epoch: u64,
+    },
+    /// A crashed node comes back.
+    Up(usize),
+}
+
+struct SimNode {
+    node: Node,
+    machine: Machine,
+    inbox: VecDeque<Item>,
+    /// CPU busy until (µs).
+    free_at: u64,
+    /// CPU time spent (µs).
+    busy_us: f64,
+    run_pending: bool,
+    /// The wake its engine asked for last (stale heap entries are skipped).
+    wake_at: Option<u64>,
+    down: bool,
 }
 
 /// A violated invariant, with what was seen.
@@ -177,22 +293,11 @@ pub struct Violation {
     pub what: String,
 }
 
-struct Sim {
-    config: SimConfig,
-    rng: Rng,
-    now: Timestamp,
-    seq: u64,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    events: BTreeMap<u64, Event>,
-    workers: Vec<Worker>,
-    index: BTreeMap<Address, usize>,
-    jobs: Vec<Job>,
-    /// Which worker countersigned each (assignment, epoch).
-    countersigned: BTreeMap<(AssignmentKey, u64), usize>,
-    report: SimReport,
-}
-
-const T0: u64 = 1_800_000_000_000;
+const T0_MS: u64 = 1_800_000_000_000;
+/// How long the simulated ads live: the whole run.
+const AD_TTL_MS: u64 = 30 * 86_400_000;
+/// Most inputs a node takes in one turn (as the node's driver does).
+const BATCH: usize = 64;
 
 fn machine(rng: &mut Rng) -> Machine {
     let cores = [2, 4, 8, 16, 32, 64][rng.below(6) as usize];
@@ -214,49 +319,141 @@ fn machine(rng: &mut Rng) -> Machine {
     }
 }
 
+struct Sim {
+    config: SimConfig,
+    rng: Rng,
+    /// Virtual time, µs.
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    events: BTreeMap<u64, Event>,
+    nodes: Vec<SimNode>,
+    index: BTreeMap<Address, usize>,
+    /// Workers by their place on the draw's ring.
+    ring: Vec<(u64, usize)>,
+    ads: Vec<Arc<Received<CapabilityAd>>>,
+    templates: Vec<cannabis_market::OfferTemplate>,
+    /// Requester of each job, and when it was submitted (µs).
+    jobs: BTreeMap<Uuid, (usize, u64)>,
+    /// When each job's first task held every lease (µs).
+    placed: BTreeMap<Uuid, u64>,
+    /// Which worker countersigned each (assignment, epoch).
+    countersigned: BTreeMap<(AssignmentKey, u64), usize>,
+    /// Offers as published (kept only with `full_delivery`, to check the shortcut).
+    offers: BTreeMap<Uuid, Arc<Received<JobOffer>>>,
+    price_ratios: Vec<f64>,
+    /// Share of each node's CPU taken by offers it only stores.
+    background: f64,
+    report: SimReport,
+}
+
+fn us(ms: u64) -> u64 {
+    ms * 1000
+}
+
 impl Sim {
     fn new(config: SimConfig) -> Self {
         let mut rng = Rng(config.seed);
-        let now = Timestamp(T0);
-        let workers: Vec<Worker> = (0..config.nodes)
-            .map(|i| {
-                let address = testkit::keys(i as u64 + 1).address();
-                let m = machine(&mut rng);
-                let mut ad = testkit::ad(address, &m, now);
-                // Some owners take only large jobs: they decline, with the reason.
-                if rng.percent(10) {
-                    ad.prices.minimum_job = cannabis_protocol::Amount(150_000);
+        let now = us(T0_MS);
+        let t0 = Timestamp(T0_MS);
+        let market_config = |m: &Machine| MarketConfig {
+            worker: WorkerPolicy {
+                custom_code: true,
+                max_leases: (m.cores / 8).max(1),
+                ..WorkerPolicy::default()
+            },
+            leases: LeaseConfig::default(),
+            signatures: Signatures::Assume,
+            // Ads are made once and last the whole run.
+            view: cannabis_market::ViewConfig {
+                max_ad_ttl_ms: AD_TTL_MS,
+                ..cannabis_market::ViewConfig::default()
+            },
+            ..MarketConfig::default()
+        };
+        let mut nodes = Vec::with_capacity(config.nodes);
+        let mut ads = Vec::with_capacity(config.nodes);
+        for i in 0..config.nodes {
+            let address = testkit::keys(i as u64 + 1).address();
+            let m = machine(&mut rng);
+            let mut ad = testkit::ad(address, &m, t0);
+            ad.expires_at = Timestamp(T0_MS + AD_TTL_MS);
+            // Some owners take only large jobs: they decline, with the reason.
+            if rng.percent(10) {
+                ad.prices.minimum_job = Amount(150_000);
+            }
+            let mut policy = market_config(&m);
+            policy.worker.custom_code = rng.percent(70);
+            let me = Identity {
+                address,
+                delivery: DeliveryIdentity::from_secret([2; 32]).recipient(),
+            };
+            let mut node = Node::new(policy, me, None, t0);
+            node.publish_ad(t0, ad.clone());
+            ads.push(Arc::new(Received::assumed(ad, address)));
+            nodes.push(SimNode {
+                node,
+                machine: m,
+                inbox: VecDeque::new(),
+                free_at: now,
+                busy_us: 0.0,
+                run_pending: false,
+                wake_at: None,
+                down: false,
+            });
+        }
+        // Every requester holds every ad (they are shared, not copied).
+        for r in 0..config.requesters.min(config.nodes) {
+            for ad in &ads {
+                if ad.body.node != nodes[r].node.address() {
+                    nodes[r].node.deliver(
+                        t0,
+                        Envelope::Ad {
+                            from: ad.body.node,
+                            item: ad.clone(),
+                        },
+                    );
                 }
-                Worker {
-                    address,
-                    ad,
-                    policy: WorkerPolicy {
-                        custom_code: rng.percent(70),
-                        ..WorkerPolicy::default()
-                    },
-                    leases: Leases::new(address),
-                    down_until: None,
-                    capacity: (m.cores as usize / 8).max(1),
-                }
-            })
-            .collect();
-        let index = workers
+            }
+            nodes[r].node.drain(t0);
+        }
+        let index = nodes
             .iter()
             .enumerate()
-            .map(|(i, w)| (w.address, i))
+            .map(|(i, n)| (n.node.address(), i))
             .collect();
+        let mut ring: Vec<(u64, usize)> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (draw::worker_point(&n.node.address()), i))
+            .collect();
+        ring.sort_unstable();
+        let span_s = config.span_ms.max(1) as f64 / 1000.0;
+        let rate = config.offers as f64 / span_s;
+        let background = rate * config.costs.offer_in_us / 1e6;
         Self {
-            config,
             rng,
             now,
             seq: 0,
             queue: BinaryHeap::new(),
             events: BTreeMap::new(),
-            workers,
+            nodes,
             index,
-            jobs: Vec::new(),
+            ring,
+            ads,
+            templates: Vec::new(),
+            jobs: BTreeMap::new(),
+            placed: BTreeMap::new(),
             countersigned: BTreeMap::new(),
-            report: SimReport::default(),
+            offers: BTreeMap::new(),
+            price_ratios: Vec::new(),
+            background,
+            report: SimReport {
+                offer_rate: rate,
+                offer_cpu: background,
+                ..SimReport::default()
+            },
+            config,
         }
     }
 
@@ -266,35 +463,44 @@ impl Sim {
         self.events.insert(self.seq, e);
     }
 
-    /// Sends over the simulated network: delayed, maybe lost, maybe duplicated.
-    fn send(&mut self, e: impl Fn() -> Event) {
+    fn violation(&self, what: String) -> Violation {
+        Violation {
+            at: self.now / 1000 - T0_MS,
+            what,
+        }
+    }
+
+    /// A one-way network delay, µs.
+    fn delay(&mut self) -> u64 {
+        us(1 + self.rng.below(self.config.max_delay_ms))
+    }
+
+    /// Sends `e` to `to` from time `from`: delayed, maybe lost, maybe duplicated.
+    fn send(&mut self, from: u64, to: usize, e: Envelope) {
         self.report.messages += 1;
         if self.rng.percent(self.config.drop_pct) {
             self.report.dropped += 1;
             return;
         }
-        let copies = if self.rng.percent(self.config.dup_pct) {
-            2
-        } else {
-            1
-        };
-        for _ in 0..copies {
-            let t = self.now.0 + 1 + self.rng.below(self.config.max_delay_ms);
-            self.at(t, e());
+        if self.rng.percent(self.config.dup_pct) {
+            let t = from + self.delay();
+            self.at(t, Event::Arrive(to, Item::Envelope(e.clone())));
         }
+        let t = from + self.delay();
+        self.at(t, Event::Arrive(to, Item::Envelope(e)));
     }
 
-    fn offer(&mut self, j: usize) -> Job {
+    fn template(&mut self, j: usize) -> cannabis_market::OfferTemplate {
         let r = &mut self.rng;
-        let requester = self.workers[j % self.config.requesters.max(1)].address;
         let mut tasks = Vec::new();
-        let n_tasks = 1 + r.below(3) as usize;
+        let capacity = self.config.workload == Workload::Capacity;
+        let n_tasks = if capacity { 1 } else { 1 + r.below(3) as usize };
         for t in 0..n_tasks {
             let gpus = u32::from(r.percent(30));
-            let group = if r.percent(20) {
-                2 + r.below(3) as u32
-            } else {
-                1
+            let group = match (capacity, r.percent(if capacity { 10 } else { 20 })) {
+                (_, false) => 1,
+                (true, true) => 2,
+                (false, true) => 2 + r.below(3) as u32,
             };
             let cores = [1, 2, 4, 8][r.below(4) as usize];
             let mut task = testkit::task(
@@ -314,301 +520,520 @@ impl Sim {
             }
             tasks.push(task);
         }
-        let offer = testkit::offer(requester, j as u64, tasks, self.now, 10_000, 3_600_000);
-        let id = message_id(&offer);
-        Job::new(offer, id, LeaseConfig::default(), self.now)
+        let mut t = if capacity {
+            testkit::template(tasks, 2_000, 60_000)
+        } else {
+            testkit::template(tasks, 10_000, 3_600_000)
+        };
+        if capacity {
+            t.early = Some(Early::FirstBids(4));
+        }
+        t.job_id = Some(Uuid::from_random({
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&(j as u64).to_le_bytes());
+            b[8..].copy_from_slice(&self.config.seed.to_le_bytes());
+            b
+        }));
+        t
     }
 
-    fn check(&self, job: usize) -> Result<(), Violation> {
-        let j = &self.jobs[job];
-        if j.used() > j.offer.budget {
-            return Err(self.violation(format!(
-                "job {job} uses {} of {}",
-                j.used(),
-                j.offer.budget
-            )));
+    /// The workers an offer is handed to: those its call can draw (every node with
+    /// `full_delivery`).
+    fn candidates(&self, item: &Received<JobOffer>) -> Vec<usize> {
+        if self.config.full_delivery {
+            let requester = self.index.get(&item.body.requester).copied();
+            return (0..self.nodes.len())
+                .filter(|&i| Some(i) != requester)
+                .collect();
+        }
+        self.drawable(item)
+    }
+
+    /// The workers an offer's call can draw at any price: on the draw's ring, within the
+    /// distance the largest weight reaches.
+    fn drawable(&self, item: &Received<JobOffer>) -> Vec<usize> {
+        let offer = &item.body;
+        let requester = self.index.get(&offer.requester).copied();
+        let mut out = Vec::new();
+        for (t, call) in offer.calls.iter().enumerate() {
+            if call.odds_ppb >= draw::ODDS_ONE {
+                return (0..self.nodes.len())
+                    .filter(|&i| Some(i) != requester)
+                    .collect();
+            }
+            let p = draw::task_point(&offer.job_id, t as u32);
+            let reach = draw::threshold(call.odds_ppb, draw::WEIGHT_MAX);
+            let start = self.ring.partition_point(|(wp, _)| *wp < p);
+            let n = self.ring.len();
+            for k in 0..n {
+                let (wp, i) = self.ring[(start + k) % n];
+                if draw::distance(p, wp) >= reach {
+                    break;
+                }
+                if Some(i) != requester {
+                    out.push(i);
+                }
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Hands an item to a node: it waits in the inbox until the node's CPU takes it.
+    fn arrive(&mut self, i: usize, item: Item) {
+        if self.nodes[i].down {
+            return;
+        }
+        self.nodes[i].inbox.push_back(item);
+        if !self.nodes[i].run_pending {
+            self.nodes[i].run_pending = true;
+            let t = self.now.max(self.nodes[i].free_at);
+            self.at(t, Event::Run(i));
+        }
+    }
+
+    fn cost_of(&self, item: &Item) -> f64 {
+        let c = &self.config.costs;
+        match item {
+            Item::Envelope(Envelope::Offer { .. } | Envelope::Ad { .. }) => c.offer_in_us,
+            Item::Envelope(Envelope::Request { msg, .. }) if matches!(**msg, Inbound::Bid(_)) => {
+                c.bid_in_us
+            }
+            Item::Envelope(Envelope::Request { .. }) => c.directed_in_us,
+            Item::Envelope(Envelope::Response { .. }) => c.answer_in_us,
+            Item::Submit(_) => c.submit_us,
+            Item::Delivered { .. } => c.directed_in_us,
+            Item::Tick => 0.0,
+        }
+    }
+
+    /// A node's CPU takes what waits in its inbox (up to a batch), feeds its engine, and
+    /// sends what the engine asks; it is busy for what that costs.
+    fn run(&mut self, i: usize) -> Result<(), Violation> {
+        self.nodes[i].run_pending = false;
+        if self.nodes[i].down {
+            self.nodes[i].inbox.clear();
+            return Ok(());
+        }
+        let start = self.now.max(self.nodes[i].free_at);
+        let mut work = 0.0;
+        let mut n = 0;
+        while n < BATCH {
+            let Some(item) = self.nodes[i].inbox.pop_front() else {
+                break;
+            };
+            n += 1;
+            work += self.cost_of(&item);
+            self.take(i, item, start)?;
+        }
+        let now_ts = Timestamp(start / 1000);
+        let out = self.nodes[i].node.drain(now_ts);
+        let persisted = std::mem::take(&mut self.nodes[i].node.store_writes);
+        let c = &self.config.costs;
+        work += persisted as f64 * c.persist_us;
+        let signed = out
+            .iter()
+            .filter(|e| matches!(e, Envelope::Request { .. } | Envelope::Offer { .. }))
+            .count();
+        work += signed as f64 * c.sign_us;
+        // The node's CPU is shared with receiving every offer of the network.
+        let share = (1.0 - self.background).max(1e-3);
+        let elapsed = (work / share).ceil() as u64;
+        let done = start + elapsed;
+        self.nodes[i].free_at = done;
+        self.nodes[i].busy_us += work;
+        self.route(done, out)?;
+        self.after(i)?;
+        if !self.nodes[i].inbox.is_empty() {
+            self.nodes[i].run_pending = true;
+            self.at(done, Event::Run(i));
         }
         Ok(())
     }
 
-    fn is_down(&self, w: usize) -> bool {
-        self.workers[w].down_until.is_some_and(|t| self.now < t)
-    }
-
-    fn violation(&self, what: String) -> Violation {
-        Violation {
-            at: self.now.0 - T0,
-            what,
-        }
-    }
-
-    fn job_actions(&mut self, job: usize, actions: Vec<Action>) {
-        for a in actions {
-            match &a {
-                Action::Award(award) => {
-                    self.report.awards += 1;
-                    if award.epoch > 1 {
-                        self.report.retries += 1;
+    /// One item into node `i`'s engine at time `t`.
+    fn take(&mut self, i: usize, item: Item, t: u64) -> Result<(), Violation> {
+        self.report.events += 1;
+        let now = Timestamp(t / 1000);
+        match item {
+            Item::Envelope(e) => self.nodes[i].node.deliver(now, e),
+            Item::Tick => self.nodes[i].node.market.handle(now, Input::Tick),
+            Item::Submit(template) => {
+                let done = self.nodes[i].node.market.command(
+                    now,
+                    Command::Submit {
+                        template: *template,
+                        nonce: [0; 16],
+                    },
+                );
+                match done {
+                    Ok(CommandOk::Submitted { job, .. }) => {
+                        self.jobs.insert(job, (i, t));
                     }
-                    let w = self.index[&award.worker];
-                    let a = a.clone();
-                    self.send(|| Event::ToWorker(w, job, a.clone()));
+                    other => return Err(self.violation(format!("a submission failed: {other:?}"))),
                 }
-                Action::Renew(r) => {
-                    let w = self.index[&r.worker];
-                    let a = a.clone();
-                    self.send(|| Event::ToWorker(w, job, a.clone()));
+            }
+            Item::Delivered { job, key, epoch } => {
+                // The requester takes a delivery only for the current epoch: a stale one
+                // is refused like any stale message.
+                let done = self.nodes[i].node.market.command(
+                    now,
+                    Command::Delivered {
+                        job,
+                        task: key.1,
+                        rank: key.2,
+                        epoch,
+                        outputs: Vec::new(),
+                    },
+                );
+                if let Err(cannabis_market::CommandError::Refused(Refusal::StaleEpoch { .. })) =
+                    done
+                {
+                    self.report.stale_refused += 1;
                 }
-                Action::Cancel { to, .. } => {
-                    for addr in to.clone() {
-                        let w = self.index[&addr];
-                        let a = a.clone();
-                        self.send(|| Event::ToWorker(w, job, a.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// What node `i` sent, onto the network.
+    fn route(&mut self, from: u64, out: Vec<Envelope>) -> Result<(), Violation> {
+        for e in out {
+            match &e {
+                Envelope::Offer { item, .. } => {
+                    if self.config.full_delivery {
+                        self.offers.insert(item.body.job_id, item.clone());
+                    }
+                    let to = self.candidates(item);
+                    for w in to {
+                        self.send(from, w, e.clone());
+                    }
+                }
+                Envelope::Ad { .. } => {}
+                Envelope::Request { to, .. } | Envelope::Response { to, .. } => {
+                    if let Some(&w) = self.index.get(to) {
+                        self.send(from, w, e);
                     }
                 }
             }
         }
-        if let Some(t) = self.jobs[job].next_wake() {
-            self.at(t.0.max(self.now.0 + 1), Event::Tick(job));
+        Ok(())
+    }
+
+    /// After node `i` ran: what its engine reported, and when it wants waking.
+    fn after(&mut self, i: usize) -> Result<(), Violation> {
+        let events = std::mem::take(&mut self.nodes[i].node.events);
+        for e in events {
+            match e {
+                MarketEvent::BidSent { job, .. } => {
+                    self.report.bids += 1;
+                    self.check_drawable(i, job)?;
+                }
+                MarketEvent::Declined { job, .. } => {
+                    self.report.declines += 1;
+                    self.check_drawable(i, job)?;
+                }
+                MarketEvent::Awarded { epoch, .. } => {
+                    self.report.awards += 1;
+                    if epoch > 1 {
+                        self.report.retries += 1;
+                    }
+                }
+                MarketEvent::Widened { .. } => self.report.widened += 1,
+                MarketEvent::LeaseTaken { key, epoch } => self.lease_taken(i, key, epoch)?,
+                MarketEvent::Refused { why, .. } => match why {
+                    Refusal::StaleEpoch { .. } => self.report.stale_refused += 1,
+                    Refusal::Busy { .. } => self.report.busy_refused += 1,
+                    _ => {}
+                },
+                MarketEvent::TaskLeased { job, task: 0 } => self.placed(i, job),
+                _ => {}
+            }
         }
+        let wake = self.nodes[i]
+            .node
+            .market
+            .poll_timeout()
+            .map(|t| us(t.0).max(self.nodes[i].free_at));
+        if wake != self.nodes[i].wake_at
+            && let Some(t) = wake
+        {
+            self.nodes[i].wake_at = Some(t);
+            self.at(t, Event::Wake(i));
+        }
+        Ok(())
+    }
+
+    fn lease_taken(&mut self, w: usize, key: AssignmentKey, epoch: u64) -> Result<(), Violation> {
+        if let Some(&other) = self.countersigned.get(&(key, epoch))
+            && other != w
+        {
+            return Err(self.violation(format!(
+                "{key:?} epoch {epoch} countersigned by workers {other} and {w}"
+            )));
+        }
+        self.countersigned.insert((key, epoch), w);
+        self.report.leases += 1;
+        let at = self.nodes[w].free_at;
+        if self.rng.percent(self.config.crash_pct) {
+            // The worker dies and restarts a few minutes later; its workload is lost and
+            // its lease runs out while it is down.
+            self.nodes[w].down = true;
+            self.nodes[w].inbox.clear();
+            let back = at + us(60_000 + self.rng.below(240_000));
+            self.at(back, Event::Up(w));
+        } else {
+            let run = match self.config.workload {
+                Workload::Mixed => 5_000 + self.rng.below(600_000),
+                Workload::Capacity => 2_000 + self.rng.below(8_000),
+            };
+            self.at(
+                at + us(run),
+                Event::Finish {
+                    worker: w,
+                    job: key.0,
+                    key,
+                    epoch,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Job `job` of requester `r` has its first task running: when, and (sampled) its
+    /// price against placement on every matching worker's bid.
+    fn placed(&mut self, r: usize, job: Uuid) {
+        if self.placed.contains_key(&job) {
+            return;
+        }
+        self.placed.insert(job, self.nodes[r].free_at);
+        let sample = self.config.price_sample;
+        if sample == 0 || !self.placed.len().is_multiple_of(sample) {
+            return;
+        }
+        let Some(j) = self.nodes[r].node.market.job(&job) else {
+            return;
+        };
+        let price: u64 = j.tasks()[0].ranks().iter().map(|a| a.price.0).sum();
+        let offer = j.offer().clone();
+        if let Some(best) = self.best_price(&offer) {
+            self.price_ratios.push(price as f64 / best.0.max(1) as f64);
+        }
+    }
+
+    /// With every offer handed to every node, a worker that answers one must be among the
+    /// workers the shortcut would have handed it to.
+    fn check_drawable(&self, worker: usize, job: Uuid) -> Result<(), Violation> {
+        if !self.config.full_delivery {
+            return Ok(());
+        }
+        let Some(item) = self.offers.get(&job) else {
+            return Ok(());
+        };
+        if self.drawable(item).contains(&worker) {
+            Ok(())
+        } else {
+            Err(self.violation(format!(
+                "worker {worker} answered job {job} outside the workers its call can draw"
+            )))
+        }
+    }
+
+    /// The price of placing an offer's first task on the bids of every worker that
+    /// matches it and would bid (its owner's policy allowing), at the offer's issue time.
+    fn best_price(&self, offer: &JobOffer) -> Option<Amount> {
+        let spec = offer.tasks.first()?;
+        let id = message_id(offer);
+        let mut everyone = offer.clone();
+        everyone.calls = vec![draw::BidCall::EVERYONE; everyone.tasks.len()];
+        let ctx = cannabis_market::matching::Context {
+            now: offer.issued_at,
+            ..cannabis_market::matching::Context::default()
+        };
+        let candidates: Vec<Candidate> = self
+            .nodes
+            .iter()
+            .zip(&self.ads)
+            .filter(|(n, _)| n.node.address() != offer.requester)
+            .filter_map(|(n, ad)| {
+                let policy = WorkerPolicy {
+                    custom_code: true,
+                    max_leases: (n.machine.cores / 8).max(1),
+                    ..WorkerPolicy::default()
+                };
+                match quote::answer(&policy, &ad.body, &everyone, id, 0, &ctx)? {
+                    quote::Answer::Bid(bid) => Some(Candidate {
+                        id: message_id(&bid),
+                        class: Class::of(spec, &ad.body),
+                        bid,
+                    }),
+                    _ => None,
+                }
+            })
+            .collect();
+        let slots = placement::place(
+            spec,
+            &candidates,
+            &Default::default(),
+            spec.budget,
+            offer.issued_at,
+        )
+        .ok()?;
+        Amount::sum(slots.iter().map(|s| &s.price)).ok()
     }
 
     fn step(&mut self, e: Event) -> Result<(), Violation> {
-        let now = self.now;
         match e {
-            Event::Publish(j) => {
-                let job = self.offer(j);
-                self.jobs.push(job);
-                let job = self.jobs.len() - 1;
-                for w in 0..self.workers.len() {
-                    self.send(|| Event::SeeOffer { worker: w, job });
-                }
-                self.job_actions(job, Vec::new());
+            Event::Publish(r, j) => {
+                let template = self.templates[j].clone();
+                self.arrive(r, Item::Submit(Box::new(template)));
             }
-            Event::SeeOffer { worker, job } => {
-                if self.is_down(worker) {
-                    return Ok(());
+            Event::Arrive(i, item) => self.arrive(i, item),
+            Event::Run(i) => self.run(i)?,
+            Event::Wake(i) => {
+                if self.nodes[i].wake_at == Some(self.now) {
+                    self.nodes[i].wake_at = None;
+                    self.arrive(i, Item::Tick);
                 }
-                let ctx = Context {
-                    now,
-                    ..Context::default()
-                };
-                let requester = self.jobs[job].offer.requester;
-                for t in 0..self.jobs[job].offer.tasks.len() as u32 {
-                    let (offer, id) = (&self.jobs[job].offer, self.jobs[job].offer_id);
-                    let w = &mut self.workers[worker];
-                    match quote::answer(&w.policy, &w.ad, offer, id, t, &ctx) {
-                        Some(Answer::Bid(bid)) => {
-                            w.leases
-                                .on_bid_sent(message_id(&bid), bid.clone(), requester);
-                            self.report.bids += 1;
-                            self.send(|| Event::Bid(job, bid.clone()));
-                        }
-                        Some(Answer::Decline(d)) => {
-                            self.report.declines += 1;
-                            self.send(|| Event::Decline(job, d.clone()));
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            Event::Bid(job, bid) => {
-                let w = self.index[&bid.worker];
-                let class = Class::of(
-                    &self.jobs[job].offer.tasks[bid.task as usize],
-                    &self.workers[w].ad,
-                );
-                let id = message_id(&bid);
-                let _ = self.jobs[job].on_bid(bid, id, class, now);
-            }
-            Event::Decline(job, d) => {
-                let _ = self.jobs[job].on_decline(d, now);
-            }
-            Event::ToWorker(w, job, action) => {
-                if self.is_down(w) {
-                    return Ok(());
-                }
-                // Leases that ran out end before the worker looks at anything new.
-                self.workers[w].leases.tick(now);
-                match action {
-                    Action::Award(award) => {
-                        let w_ = &self.workers[w];
-                        let busy = w_
-                            .leases
-                            .iter()
-                            .filter(|(_, l)| l.live && l.expires_at > now)
-                            .count();
-                        if busy >= w_.capacity {
-                            self.report.busy_refused += 1;
-                            self.send(|| Event::Refused(job, award.clone()));
-                            return Ok(());
-                        }
-                        let id = message_id(&award);
-                        match self.workers[w].leases.on_award(&award, id, now) {
-                            Ok((accept, _)) => {
-                                let key = (award.job_id, award.task, award.rank);
-                                if let Some(&other) = self.countersigned.get(&(key, award.epoch))
-                                    && other != w
-                                {
-                                    return Err(self.violation(format!(
-                                        "{key:?} epoch {} countersigned by workers {other} and {w}",
-                                        award.epoch
-                                    )));
-                                }
-                                self.countersigned.insert((key, award.epoch), w);
-                                self.send(|| Event::Accept(job, accept.clone()));
-                            }
-                            Err(e) if e.contains("stale epoch") => self.report.stale_refused += 1,
-                            Err(_) => {}
-                        }
-                    }
-                    Action::Renew(r) => {
-                        if self.workers[w].leases.on_renewal(&r, now).is_ok() {
-                            self.send(|| Event::Renewed(job, r.clone()));
-                        }
-                    }
-                    Action::Cancel { cancel, .. } => {
-                        self.workers[w].leases.on_cancel(&cancel, now);
-                    }
-                }
-            }
-            Event::Accept(job, accept) => match self.jobs[job].on_accept(&accept, now) {
-                Ok(actions) => {
-                    self.report.leases += 1;
-                    let w = self.index[&accept.worker];
-                    let key = (accept.job_id, accept.task, accept.rank);
-                    if self.rng.percent(self.config.crash_pct) {
-                        // The worker dies and restarts a few minutes later; its workload is
-                        // lost and its lease runs out while it is down.
-                        let back = now.plus_ms(60_000 + self.rng.below(240_000));
-                        self.workers[w].down_until = Some(back);
-                    } else {
-                        let run = 5_000 + self.rng.below(600_000);
-                        self.at(
-                            now.0 + run,
-                            Event::Finish {
-                                job,
-                                key,
-                                epoch: accept.epoch,
-                                worker: w,
-                            },
-                        );
-                    }
-                    self.job_actions(job, actions);
-                }
-                Err(e) => {
-                    if e.contains("stale epoch") {
-                        self.report.stale_refused += 1;
-                    }
-                }
-            },
-            Event::Refused(job, a) => {
-                if let Ok(actions) =
-                    self.jobs[job].on_failed(a.task, a.rank, a.epoch, "the worker is busy", now)
-                {
-                    self.job_actions(job, actions);
-                }
-            }
-            Event::Renewed(job, r) => {
-                let _ = self.jobs[job].on_renewed(r.task, r.rank, r.epoch, r.expires_at, now);
             }
             Event::Finish {
+                worker,
                 job,
                 key,
                 epoch,
-                worker,
             } => {
                 // A delivery counts only under a lease the worker still holds.
-                if !self.is_down(worker) && self.workers[worker].leases.is_current(&key, epoch, now)
-                {
-                    match self.jobs[job].on_delivered(key.1, key.2, epoch, &[], now) {
-                        Ok(actions) => self.job_actions(job, actions),
-                        Err(e) if e.contains("stale epoch") => self.report.stale_refused += 1,
-                        Err(_) => {}
-                    }
+                let now = Timestamp(self.now / 1000);
+                let current = !self.nodes[worker].down
+                    && self.nodes[worker]
+                        .node
+                        .market
+                        .leases()
+                        .is_current(&key, epoch, now);
+                if current && let Some(&(r, _)) = self.jobs.get(&job) {
+                    let t = self.now + self.delay();
+                    self.at(t, Event::Arrive(r, Item::Delivered { job, key, epoch }));
                 }
             }
-            Event::Tick(job) => {
-                let actions = self.jobs[job].tick(now);
-                self.job_actions(job, actions);
+            Event::Up(i) => {
+                let now = Timestamp(self.now / 1000);
+                self.nodes[i].down = false;
+                self.nodes[i].node.restart(now);
+                self.nodes[i].wake_at = None;
+                self.nodes[i].free_at = self.now;
+                self.arrive(i, Item::Tick);
             }
         }
         Ok(())
     }
 
-    fn run(mut self) -> Result<SimReport, Violation> {
+    fn run_all(mut self) -> Result<SimReport, Violation> {
+        let requesters = self.config.requesters.clamp(1, self.nodes.len());
         for j in 0..self.config.offers {
-            let t = T0 + self.rng.below(self.config.span_ms.max(1));
-            self.at(t, Event::Publish(j));
+            let template = self.template(j);
+            self.templates.push(template);
+            let t = us(T0_MS) + us(self.rng.below(self.config.span_ms.max(1)));
+            self.at(t, Event::Publish(j % requesters, j));
         }
         // Bounded: every event is processed once, and the number of events is bounded by
         // the offers' deadlines (no job schedules anything after its deadline).
-        let limit = 50_000_000u64;
+        let limit = 200_000_000u64;
+        let mut steps = 0u64;
         while let Some(Reverse((t, seq))) = self.queue.pop() {
-            self.report.events += 1;
-            if self.report.events > limit {
+            steps += 1;
+            if steps > limit {
                 return Err(self.violation("the simulation did not settle".into()));
             }
-            self.now = Timestamp(t);
+            self.now = t;
             let Some(e) = self.events.remove(&seq) else {
                 continue;
             };
-            let job = match &e {
-                Event::Bid(j, _)
-                | Event::Decline(j, _)
-                | Event::Accept(j, _)
-                | Event::Renewed(j, _)
-                | Event::Refused(j, _)
-                | Event::Tick(j) => Some(*j),
-                Event::Finish { job, .. } => Some(*job),
-                _ => None,
-            };
             self.step(e)?;
-            if let Some(j) = job {
-                self.check(j)?;
-            }
         }
+        self.finish()
+    }
+
+    fn finish(mut self) -> Result<SimReport, Violation> {
         let end = self.now;
-        let mut r = self.report.clone();
+        let mut r = std::mem::take(&mut self.report);
         r.nodes = self.config.nodes;
         r.offers = self.jobs.len();
-        r.virtual_ms = end.0 - T0;
-        for (i, job) in self.jobs.iter_mut().enumerate() {
-            job.tick(Timestamp(job.offer.deadline.0.max(end.0)));
+        r.virtual_ms = end / 1000 - T0_MS;
+        let mut bids = Vec::new();
+        let mut placement_ms = Vec::new();
+        let mut on_time = 0usize;
+        for (&job_id, &(req, submitted)) in &self.jobs {
+            let node = &mut self.nodes[req].node;
+            let deadline = node
+                .market
+                .job(&job_id)
+                .map(|j| j.offer().deadline)
+                .unwrap_or_default();
+            node.market
+                .handle(Timestamp((end / 1000).max(deadline.0) + 1), Input::Tick);
+            node.drain(Timestamp((end / 1000).max(deadline.0) + 1));
+            let Some(job) = node.market.job(&job_id) else {
+                return Err(Violation {
+                    at: end / 1000 - T0_MS,
+                    what: format!("job {job_id} is gone"),
+                });
+            };
             match job.state() {
                 JobState::Completed => r.completed += 1,
                 JobState::Failed => r.failed += 1,
                 JobState::Cancelled => r.cancelled += 1,
                 JobState::Open => {
                     return Err(Violation {
-                        at: end.0 - T0,
-                        what: format!("job {i} still open after its deadline"),
+                        at: end / 1000 - T0_MS,
+                        what: format!("job {job_id} still open after its deadline"),
                     });
                 }
             }
-            let spent: u64 = job.tasks.iter().map(|t| t.spent.0).sum();
-            let committed: u64 = job.tasks.iter().map(|t| t.committed.0).sum();
-            if committed != 0 || spent + job.refund().0 != job.offer.budget.0 {
+            let spent: u64 = job.tasks().iter().map(|t| t.spent().0).sum();
+            let committed: u64 = job.tasks().iter().map(|t| t.committed().0).sum();
+            let refund = job.refund().map_err(|e| Violation {
+                at: end / 1000 - T0_MS,
+                what: format!("job {job_id}: {e}"),
+            })?;
+            if committed != 0 || spent + refund.0 != job.offer().budget.0 {
                 return Err(Violation {
-                    at: end.0 - T0,
+                    at: end / 1000 - T0_MS,
                     what: format!(
-                        "job {i}: spent {spent} + refund {} != budget {}, {committed} committed",
-                        job.refund(),
-                        job.offer.budget
+                        "job {job_id}: spent {spent} + refund {refund} != budget {}, {committed} committed",
+                        job.offer().budget
                     ),
                 });
             }
-            r.budget += job.offer.budget.0;
+            r.budget += job.offer().budget.0;
             r.spent += spent;
-            r.refunded += job.refund().0;
+            r.refunded += refund.0;
+            bids.push(job.tasks()[0].bid_count() as f64);
+            if let Some(&placed) = self.placed.get(&job_id) {
+                placement_ms.push((placed - submitted) as f64 / 1000.0);
+                if placed / 1000 <= deadline.0 {
+                    on_time += 1;
+                }
+            }
         }
+        r.placed_share = on_time as f64 / self.jobs.len().max(1) as f64;
+        r.bids_per_offer = spread(bids);
+        r.placement_ms = spread(placement_ms);
+        r.price_samples = self.price_ratios.len();
+        r.price_ratio = spread(std::mem::take(&mut self.price_ratios));
+        let span = (end - us(T0_MS)).max(1) as f64;
+        r.busiest_cpu = self
+            .nodes
+            .iter()
+            .map(|n| n.busy_us / span + self.background)
+            .fold(0.0, f64::max);
         Ok(r)
     }
 }
 
 /// Runs the simulation.
 pub fn run(config: SimConfig) -> Result<SimReport, Violation> {
-    Sim::new(config).run()
+    Sim::new(config).run_all()
 }
 
 /// Placement figures: one offer against many ads.
@@ -630,7 +1055,7 @@ pub struct PlacementFigures {
 pub fn placement_figures(ads: usize, reps: usize) -> PlacementFigures {
     use std::time::Instant;
     let mut rng = Rng(7);
-    let now = Timestamp(T0);
+    let now = Timestamp(T0_MS);
     let ads: Vec<CapabilityAd> = (0..ads)
         .map(|i| {
             testkit::ad(
@@ -650,15 +1075,15 @@ pub fn placement_figures(ads: usize, reps: usize) -> PlacementFigures {
         3_600_000,
     );
     let offer_id = message_id(&offer);
-    let ctx = Context {
+    let ctx = cannabis_market::matching::Context {
         now,
-        ..Context::default()
+        ..cannabis_market::matching::Context::default()
     };
-    let candidates: Vec<cannabis_market::placement::Candidate> = ads
+    let candidates: Vec<Candidate> = ads
         .iter()
         .filter_map(|ad| {
             match quote::answer(&WorkerPolicy::default(), ad, &offer, offer_id, 0, &ctx)? {
-                Answer::Bid(bid) => Some(cannabis_market::placement::Candidate {
+                quote::Answer::Bid(bid) => Some(Candidate {
                     id: message_id(&bid),
                     class: Class::of(&task, ad),
                     bid,
@@ -681,7 +1106,7 @@ pub fn placement_figures(ads: usize, reps: usize) -> PlacementFigures {
         match_us.push(t.elapsed().as_micros() as u64);
         qualified = e.qualified.len();
         let t = Instant::now();
-        let placed = cannabis_market::placement::place(
+        let placed = placement::place(
             &task,
             &candidates,
             &std::collections::BTreeSet::new(),
@@ -719,6 +1144,8 @@ mod tests {
         assert!(report.dropped > 0, "{report:?}");
         assert!(report.declines > 0, "{report:?}");
         assert_eq!(report.spent + report.refunded, report.budget);
+        // Bids per offer stay near the call's target, not near the number of workers.
+        assert!(report.bids_per_offer.p99 <= 64.0, "{report:?}");
     }
 
     #[test]
@@ -734,5 +1161,21 @@ mod tests {
         assert_eq!(a, b);
         let c = run(SimConfig { seed: 2, ..small }).unwrap();
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn only_workers_a_call_can_draw_answer_it() {
+        // Every offer goes to every node; the run fails if a worker outside the shortcut's
+        // set of candidates bids or declines.
+        let full = run(SimConfig {
+            nodes: 200,
+            offers: 80,
+            requesters: 8,
+            full_delivery: true,
+            price_sample: 0,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        assert!(full.bids > 0 && full.completed > 0, "{full:?}");
     }
 }

@@ -103,21 +103,21 @@ pub struct PassSummary {
 
 impl From<&AdEntry> for Ad {
     fn from(e: &AdEntry) -> Self {
+        let ad = e.ad();
         Self {
-            node: e.ad.node.to_string(),
-            id: e.id.to_string(),
-            seq: e.ad.seq,
-            cpu_cores: e.ad.hardware.cpu_cores,
-            memory_bytes: e.ad.hardware.memory_bytes,
-            gpus: e.ad.hardware.gpus.iter().filter(|g| g.allowed).count(),
-            adapters: e.ad.adapters.clone(),
-            runtimes: e.ad.runtimes.clone(),
-            prices: e.ad.prices.clone(),
-            expires_at_ms: e.ad.expires_at.0,
-            received_at_us: e.received_at_us,
+            node: ad.node.to_string(),
+            id: e.id().to_string(),
+            seq: ad.seq,
+            cpu_cores: ad.hardware.cpu_cores,
+            memory_bytes: ad.hardware.memory_bytes,
+            gpus: ad.hardware.gpus.iter().filter(|g| g.allowed).count(),
+            adapters: ad.adapters.clone(),
+            runtimes: ad.runtimes.clone(),
+            prices: ad.prices.clone(),
+            expires_at_ms: ad.expires_at.0,
+            received_at_us: e.received_at_us(),
             challenge_passed_at_ms: None,
-            challenge_passes: e
-                .ad
+            challenge_passes: ad
                 .passes()
                 .map(|p| PassSummary {
                     verifier: p.verifier.to_string(),
@@ -156,22 +156,17 @@ pub struct Offer {
 
 impl From<&OfferEntry> for Offer {
     fn from(e: &OfferEntry) -> Self {
+        let offer = e.offer();
         Self {
-            job_id: e.offer.job_id.to_string(),
-            id: e.id.to_string(),
-            requester: e.offer.requester.to_string(),
-            budget: e.offer.budget,
-            tasks: e.offer.tasks.len(),
-            max_group_size: e
-                .offer
-                .tasks
-                .iter()
-                .map(|t| t.group_size)
-                .max()
-                .unwrap_or(0),
-            expires_at_ms: e.offer.expires_at.0,
-            deadline_ms: e.offer.deadline.0,
-            received_at_us: e.received_at_us,
+            job_id: offer.job_id.to_string(),
+            id: e.id().to_string(),
+            requester: offer.requester.to_string(),
+            budget: offer.budget,
+            tasks: offer.tasks.len(),
+            max_group_size: offer.tasks.iter().map(|t| t.group_size).max().unwrap_or(0),
+            expires_at_ms: offer.expires_at.0,
+            deadline_ms: offer.deadline.0,
+            received_at_us: e.received_at_us(),
         }
     }
 }
@@ -224,8 +219,9 @@ pub struct JobSummary {
     pub tasks: Vec<String>,
     /// Total budget, fee included.
     pub budget: Amount,
-    /// Committed to live leases plus spent on deliveries.
-    pub used: Amount,
+    /// Committed to live leases plus spent on deliveries (`None`: the sums do not add up,
+    /// a defect the node reports instead of hiding).
+    pub used: Option<Amount>,
     /// Bids received, all tasks.
     pub bids: usize,
     /// Bids taken until, ms since the epoch.
@@ -243,8 +239,9 @@ pub struct JobDetail {
     pub tasks: Vec<TaskDetail>,
     /// What happened, oldest first.
     pub history: Vec<cannabis_market::job::Event>,
-    /// Budget not spent (what goes back once the job is over).
-    pub refund: Amount,
+    /// Budget not spent (what goes back once the job is over; `None`: the sums do not add
+    /// up).
+    pub refund: Option<Amount>,
 }
 
 /// One task of a [`JobDetail`].
@@ -328,4 +325,91 @@ pub struct ChallengeReport {
     pub passed: bool,
     /// Why it failed, if it did.
     pub failure: Option<String>,
+}
+
+impl JobSummary {
+    /// The summary of a job.
+    pub fn of(job: &cannabis_market::job::Job) -> Self {
+        Self {
+            job_id: job.id().to_string(),
+            name: job.name().to_string(),
+            state: job.state(),
+            tasks: job
+                .tasks()
+                .iter()
+                .map(|t| t.status().word().to_string())
+                .collect(),
+            budget: job.offer().budget,
+            used: job.used().ok(),
+            bids: job.tasks().iter().map(|t| t.bid_count()).sum(),
+            bids_until_ms: job.offer().expires_at.0,
+            deadline_ms: job.offer().deadline.0,
+        }
+    }
+}
+
+impl JobDetail {
+    /// A job in full; `explain(task)` says how the known ads match a task, when nobody bid
+    /// on it or it could not be placed.
+    pub fn of(
+        job: &cannabis_market::job::Job,
+        explain: impl Fn(&cannabis_protocol::TaskSpec) -> cannabis_market::matching::Explanation,
+    ) -> Self {
+        use cannabis_market::job::{Failure, TaskStatus};
+        let tasks = job
+            .tasks()
+            .iter()
+            .zip(&job.offer().tasks)
+            .map(|(task, spec)| {
+                let mut bids: Vec<(String, Amount)> = task
+                    .bids()
+                    .map(|c| (c.bid.worker.to_string(), c.bid.price))
+                    .collect();
+                bids.sort_by(|a, b| (a.1, &a.0).cmp(&(b.1, &b.0)));
+                let unplaced = matches!(
+                    task.status(),
+                    TaskStatus::Failed(Failure::Unplaceable { .. })
+                );
+                TaskDetail {
+                    name: spec.name.clone(),
+                    status: task.status().clone(),
+                    group_size: spec.group_size,
+                    budget: task.budget(),
+                    committed: task.committed(),
+                    spent: task.spent(),
+                    bids,
+                    declines: task
+                        .declines()
+                        .iter()
+                        .map(|(w, r)| (w.to_string(), r.clone()))
+                        .collect(),
+                    ranks: task.ranks().to_vec(),
+                    attempts: task.attempts(),
+                    failures: task.failures(),
+                    explanation: (task.bid_count() == 0 || unplaced).then(|| explain(spec)),
+                }
+            })
+            .collect();
+        Self {
+            summary: JobSummary::of(job),
+            tasks,
+            history: job.history().to_vec(),
+            refund: job.refund().ok(),
+        }
+    }
+}
+
+impl HeldLease {
+    /// One lease a worker holds.
+    pub fn of(
+        key: &cannabis_market::lease::AssignmentKey,
+        lease: &cannabis_market::lease::Lease,
+    ) -> Self {
+        Self {
+            job_id: key.0.to_string(),
+            task: key.1,
+            rank: key.2,
+            lease: lease.clone(),
+        }
+    }
 }

@@ -65,8 +65,8 @@ pub(super) fn routes() -> Router<AppState> {
         .route("/v1/exec/orphans", get(orphans))
 }
 
-fn executor(s: &AppState) -> Result<Executor, Error> {
-    s.node.executor().cloned().map_err(|why| {
+async fn executor(s: &AppState) -> Result<Executor, Error> {
+    s.node.executor().await.map_err(|why| {
         Error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("this node has no local executor: {why}"),
@@ -88,7 +88,7 @@ async fn blocking<T: Send + 'static>(
     s: &AppState,
     f: impl FnOnce(Executor) -> Result<T, ExecError> + Send + 'static,
 ) -> Result<Json<T>, Error> {
-    let ex = executor(s)?;
+    let ex = executor(s).await?;
     tokio::task::spawn_blocking(move || f(ex))
         .await
         .map_err(|e| Error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
@@ -96,10 +96,10 @@ async fn blocking<T: Send + 'static>(
         .map_err(exec_error)
 }
 
-fn status_of(s: &AppState) -> ExecStatus {
-    match s.node.executor() {
+async fn status_of(s: &AppState) -> ExecStatus {
+    match s.node.executor().await {
         Err(why) => ExecStatus {
-            unavailable: Some(why.to_string()),
+            unavailable: Some(why),
             control: None,
             layers: Vec::new(),
             cgroups: String::new(),
@@ -123,7 +123,7 @@ fn status_of(s: &AppState) -> ExecStatus {
 }
 
 async fn status(State(s): State<AppState>) -> Json<ExecStatus> {
-    Json(status_of(&s))
+    Json(status_of(&s).await)
 }
 
 async fn control(
@@ -131,7 +131,7 @@ async fn control(
     Json(body): Json<ControlBody>,
 ) -> Result<Json<ExecStatus>, Error> {
     let _ = blocking(&s, move |ex| ex.set_control(body.control)).await?;
-    Ok(Json(status_of(&s)))
+    Ok(Json(status_of(&s).await))
 }
 
 async fn attempts(State(s): State<AppState>) -> Result<Json<Vec<Attempt>>, Error> {

@@ -160,6 +160,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
             depends_on: Vec::new(),
             budget,
         }],
+        calls: vec![cannabis_protocol::BidCall::EVERYONE],
     };
     let (offer, offer_len) = transmit(&requester, &offer)?;
     step(

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use cannabis_api::ApiClient;
 use cannabis_api::{JobDetail, TaskExplanation};
-use cannabis_market::job::{LeaseState, TaskStatus};
+use cannabis_market::job::LeaseState;
 use cannabis_market::spec::JobSpec;
 use cannabis_protocol::{Digest, FOUNDER_FEE_BPS, Quote};
 use sha2::{Digest as _, Sha256};
@@ -65,7 +65,7 @@ pub(super) fn run(
                     j.name,
                     format!("{:?}", j.state).to_lowercase(),
                     j.budget,
-                    j.used,
+                    money(j.used),
                     j.bids,
                     j.tasks.join(",")
                 )?;
@@ -166,6 +166,11 @@ fn print_explanations(tasks: &[TaskExplanation]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An amount, or the note that a job's sums do not add up (a defect the node reports).
+fn money(a: Option<cannabis_protocol::Amount>) -> String {
+    a.map_or_else(|| "accounting error".to_string(), |a| a.to_string())
+}
+
 fn print_job(job: &JobDetail) -> anyhow::Result<()> {
     let s = &job.summary;
     output::table(&[
@@ -174,15 +179,16 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
         ("state", format!("{:?}", s.state).to_lowercase()),
         (
             "budget",
-            format!("{} (used {}, refund {})", s.budget, s.used, job.refund),
+            format!(
+                "{} (used {}, refund {})",
+                s.budget,
+                money(s.used),
+                money(job.refund)
+            ),
         ),
     ])?;
     for (i, t) in job.tasks.iter().enumerate() {
-        let status = match &t.status {
-            TaskStatus::Failed(why) => format!("failed: {why}"),
-            TaskStatus::Cancelled(why) => format!("cancelled: {why}"),
-            other => format!("{other:?}").to_lowercase(),
-        };
+        let status = t.status.to_string();
         out!(
             "\ntask {i} {}: {status}  (group {}, budget {}, committed {}, spent {}, {} bids, {} declined, attempt {})",
             t.name,

@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use cannabis_api::ApiClient;
+use cannabis_market::lease::WorkerLeaseState;
 
 use crate::cli::MarketCommand;
 use crate::output::{self, out};
@@ -110,10 +111,9 @@ pub(super) fn run(command: MarketCommand, data_dir: &Path) -> anyhow::Result<()>
                 "ends in"
             )?;
             for l in &leases {
-                let state = match (&l.lease.ended, l.lease.live) {
-                    (Some(why), _) => why.clone(),
-                    (None, true) => "current".to_string(),
-                    (None, false) => "ended".to_string(),
+                let state = match &l.lease.state {
+                    WorkerLeaseState::Current => "current".to_string(),
+                    WorkerLeaseState::Ended(why) => why.to_string(),
                 };
                 out!(
                     "{:<36} {:>4} {:>4} {:>5} {:>10} {:>10}  {}",

@@ -1,17 +1,15 @@
 //! The capability challenge over the network: answering one (proving off the driver
 //! thread, one at a time) and setting one to a peer, sized from its ad and verified off the
 //! driver thread. A verifier that saw a pass signs a [`ChallengePass`] and sends it to the
-//! worker, which keeps it (durably) and carries it in its ads.
+//! worker; the worker's market engine keeps it (durably) and its ads carry it.
 
 use std::time::Instant;
 
 use cannabis_api::ChallengeReport;
 use cannabis_protocol::challenge::{Challenge, Claim, Sizing};
-use std::collections::BTreeMap;
-
 use cannabis_protocol::{
-    Address, ChallengePass, ChallengeRequest, ChallengeResponse, Digest, MAX_AD_PASSES,
-    MarketRequest, Signed, Timestamp,
+    Address, ChallengePass, ChallengeRequest, ChallengeResponse, Digest, MarketRequest, Signed,
+    Timestamp,
 };
 use libp2p::PeerId;
 use libp2p::request_response::{Event, Message};
@@ -19,7 +17,6 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::{Command, Node, now};
-use crate::store::Records;
 use crate::swarm;
 
 /// A challenge this node set, waiting for its answer.
@@ -30,12 +27,6 @@ pub(crate) struct Pending {
     sent: Instant,
     reply: oneshot::Sender<anyhow::Result<ChallengeReport>>,
 }
-
-/// How many answered challenges are remembered, waiting for their pass.
-const ANSWERED_KEPT: usize = 8;
-
-/// Passes other nodes signed for this one, by verifier.
-pub(crate) type OwnPasses = BTreeMap<Address, (Signed<ChallengePass>, ChallengePass)>;
 
 fn random_digest() -> anyhow::Result<Digest> {
     Ok(Digest(*crate::keystore::random_bytes::<32>()?))
@@ -49,9 +40,9 @@ impl Node {
         reply: oneshot::Sender<anyhow::Result<ChallengeReport>>,
     ) {
         let claim = swarm::address_of(&peer)
-            .and_then(|a| self.view.ad(&a))
+            .and_then(|a| self.market.view().ad(&a))
             .map(|e| Claim {
-                cpu_cores: e.ad.hardware.cpu_cores,
+                cpu_cores: e.ad().hardware.cpu_cores,
             });
         let Some(claim) = claim else {
             let _ = reply.send(Err(anyhow::anyhow!(
@@ -154,10 +145,16 @@ impl Node {
         };
         info!(%peer, n = challenge.n, rounds = challenge.rounds, "answering a challenge");
         self.proving = Some(channel);
-        if self.answered.len() == ANSWERED_KEPT {
-            self.answered.pop_front();
+        if let Some(verifier) = swarm::address_of(&peer) {
+            // A pass for it will be kept: the engine remembers who asked, with which seed.
+            let _ = self.market.command(
+                now().0,
+                cannabis_market::Command::ChallengeAnswered {
+                    verifier,
+                    seed: challenge.seed,
+                },
+            );
         }
-        self.answered.push_back((peer, challenge.seed));
         let tx = self.self_tx.clone();
         tokio::task::spawn_blocking(move || {
             let threads = cannabis_runtime::challenge::available_threads();
@@ -233,7 +230,13 @@ impl Node {
             && let Ok(peer) = report.peer_id.parse::<PeerId>()
         {
             let passed_at = now().0;
-            self.challenge_passes.insert(worker, passed_at);
+            let _ = self.market.command(
+                passed_at,
+                cannabis_market::Command::ChallengePassed {
+                    worker,
+                    at: passed_at,
+                },
+            );
             let pass = ChallengePass {
                 verifier: self.address,
                 worker,
@@ -255,101 +258,5 @@ impl Node {
         info!(peer = %report.peer_id, passed = report.passed, took_ms = report.took_ms,
               deadline_ms = report.deadline_ms, "challenge checked");
         let _ = reply.send(Ok(report));
-    }
-}
-
-impl Node {
-    /// A pass a verifier sent: kept when it verifies, names this node, and answers a
-    /// challenge this node answered for that peer with that seed. The next ad carries it.
-    pub(super) fn take_pass(
-        &mut self,
-        peer: PeerId,
-        signed: Signed<ChallengePass>,
-    ) -> Result<(), String> {
-        let verified = signed.verify().map_err(|e| e.to_string())?;
-        let pass = verified.body;
-        if pass.worker != self.address {
-            return Err("the pass names another worker".into());
-        }
-        if swarm::address_of(&peer) != Some(pass.verifier) {
-            return Err("a pass is taken only from its verifier".into());
-        }
-        if !self.answered.contains(&(peer, pass.seed)) {
-            return Err("this node answered no such challenge for you".into());
-        }
-        self.answered.retain(|a| a != &(peer, pass.seed));
-        self.store
-            .put_record(
-                Records::Passes,
-                pass.verifier.to_string().as_bytes(),
-                &signed.to_bytes(),
-            )
-            .map_err(|e| format!("cannot keep the pass: {e:#}"))?;
-        info!(verifier = %pass.verifier, n = pass.n, "challenge pass received");
-        self.own_passes.insert(pass.verifier, (signed, pass));
-        self.prune_passes();
-        if let Err(e) = self.publish_ad() {
-            warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
-        }
-        Ok(())
-    }
-
-    /// Keeps the newest [`MAX_AD_PASSES`] passes, in memory and in the store.
-    fn prune_passes(&mut self) {
-        while self.own_passes.len() > MAX_AD_PASSES {
-            let oldest = self
-                .own_passes
-                .iter()
-                .min_by_key(|(_, (_, p))| p.passed_at)
-                .map(|(v, _)| *v);
-            let Some(oldest) = oldest else { break };
-            self.own_passes.remove(&oldest);
-            if let Err(e) = self
-                .store
-                .remove_record(Records::Passes, oldest.to_string().as_bytes())
-            {
-                warn!(error = %format!("{e:#}"), "store");
-            }
-        }
-    }
-
-    /// The passes the next ad carries: those sized for at least the cores it claims.
-    pub(super) fn passes_for_ad(&self, cpu_cores: u32) -> Vec<Signed<ChallengePass>> {
-        self.own_passes
-            .values()
-            .filter(|(_, p)| p.claimed_cores >= cpu_cores)
-            .map(|(s, _)| s.clone())
-            .collect()
-    }
-
-    /// Loads the kept passes, re-verified; drops any that no longer hold.
-    pub(super) fn restore_passes(&mut self) -> anyhow::Result<()> {
-        for (_, bytes) in self.store.records(Records::Passes)? {
-            let kept = Signed::<ChallengePass>::from_bytes(&bytes)
-                .ok()
-                .and_then(|s| Some((s.verify().ok()?.body, s)))
-                .filter(|(p, _)| p.worker == self.address);
-            match kept {
-                Some((pass, signed)) => {
-                    self.own_passes.insert(pass.verifier, (signed, pass));
-                }
-                None => warn!("a kept challenge pass no longer verifies; ignored"),
-            }
-        }
-        self.prune_passes();
-        Ok(())
-    }
-
-    /// What matching needs besides the ads: now, this node, and the checks it made.
-    pub(super) fn matching_context(&self) -> cannabis_market::matching::Context {
-        cannabis_market::matching::Context {
-            now: now().0,
-            me: Some(self.address),
-            local_passes: self
-                .challenge_passes
-                .iter()
-                .map(|(a, t)| (*a, *t))
-                .collect(),
-        }
     }
 }

@@ -1,21 +1,28 @@
 //! Directed protocols: the market protocol (bids and the lease messages, ping) and sync,
-//! which gives a node that just connected the live market it missed.
+//! which gives a node that just connected the live market it missed. Requests are decoded
+//! here once and handed to the engine; what the engine sends is signed here.
 
-use cannabis_market::Verdict;
+use std::sync::Arc;
+
+use cannabis_market::{
+    Answer, Heard, Inbound, InboundId, Input, Origin, Outbound, OutboundId, Reply, SyncId, Verdict,
+};
 use cannabis_protocol::{
-    MarketRequest, MarketResponse, Signed, SyncRequest, SyncResponse, Wire as _,
+    Address, CapabilityAd, JobOffer, MarketRequest, MarketResponse, OpenError, Signed, SyncRequest,
+    SyncResponse, Wire as _,
 };
 use libp2p::PeerId;
-use libp2p::request_response::{Event, InboundFailure, Message};
-use tracing::{debug, info, warn};
+use libp2p::request_response::{Event, InboundFailure, Message, ResponseChannel};
+use tracing::{debug, warn};
 
-use super::{Node, now};
-use crate::store::{Kind, Records};
+use super::{Node, SyncTally, now};
+use crate::swarm;
 
 /// A sync page stops growing past this many bytes, well under the frame cap.
 const SYNC_PAGE_BYTES: usize = SyncResponse::MAX_SIZE / 2;
-/// Penalty for a directed request that is oversized or does not decode.
-const BAD_REQUEST_PENALTY: f64 = 20.0;
+/// Penalty for a directed request that is oversized, does not decode, or breaks a rule no
+/// honest node breaks.
+pub(super) const BAD_REQUEST_PENALTY: f64 = 20.0;
 
 impl Node {
     pub(super) fn on_market(&mut self, event: Event<MarketRequest, MarketResponse>) {
@@ -27,18 +34,7 @@ impl Node {
                         request, channel, ..
                     },
                 ..
-            } => {
-                let response = self.answer_market(peer, request);
-                if self
-                    .swarm
-                    .behaviour_mut()
-                    .market
-                    .send_response(channel, response)
-                    .is_err()
-                {
-                    debug!(%peer, "requester went away before the answer");
-                }
-            }
+            } => self.on_market_request(peer, request, channel),
             Event::Message {
                 message:
                     Message::Response {
@@ -49,8 +45,13 @@ impl Node {
             } => {
                 if let Some(reply) = self.pending.remove(&request_id) {
                     let _ = reply.send(Ok(response));
-                } else if let Some(purpose) = self.requests.remove(&request_id) {
-                    self.on_own_response(purpose, Ok(response));
+                } else if let Some(req) = self.outbound.remove(&request_id) {
+                    let result = match response {
+                        MarketResponse::Ack => Ok(Answer::Ack),
+                        MarketResponse::Refused { reason } => Ok(Answer::Refused(reason)),
+                        other => Err(format!("unexpected answer {other:?}")),
+                    };
+                    self.market.handle(now().0, Input::Response { req, result });
                 }
             }
             Event::OutboundFailure {
@@ -62,8 +63,9 @@ impl Node {
                 debug!(%peer, %error, "market request failed");
                 if let Some(reply) = self.pending.remove(&request_id) {
                     let _ = reply.send(Err(anyhow::anyhow!("request to {peer} failed: {error}")));
-                } else if let Some(purpose) = self.requests.remove(&request_id) {
-                    self.on_own_response(purpose, Err(error.to_string()));
+                } else if let Some(req) = self.outbound.remove(&request_id) {
+                    let result = Err(error.to_string());
+                    self.market.handle(now().0, Input::Response { req, result });
                 }
             }
             Event::InboundFailure { peer, error, .. } => self.on_inbound_failure(peer, &error),
@@ -85,62 +87,109 @@ impl Node {
         }
     }
 
-    fn answer_market(&mut self, peer: PeerId, request: MarketRequest) -> MarketResponse {
-        let refused = |reason: String| MarketResponse::Refused { reason };
-        let answer = |what: &str, outcome: Result<(), String>| match outcome {
-            Ok(()) => MarketResponse::Ack,
-            Err(reason) => {
-                info!(%peer, %reason, "{what} refused");
-                MarketResponse::Refused { reason }
-            }
+    /// A request from a peer: decoded once, then the engine decides (ping aside).
+    fn on_market_request(
+        &mut self,
+        peer: PeerId,
+        request: MarketRequest,
+        channel: ResponseChannel<MarketResponse>,
+    ) {
+        let Some(from) = swarm::address_of(&peer) else {
+            self.answer(
+                channel,
+                MarketResponse::Refused {
+                    reason: "only nodes with ed25519 identities take part in the market".into(),
+                },
+            );
+            return;
         };
-        match request {
-            MarketRequest::Ping { nonce } => MarketResponse::Pong { nonce },
-            MarketRequest::Bid(bid) => match self.take_bid(&bid) {
-                Ok(()) => MarketResponse::Ack,
-                Err(reason) => {
-                    info!(%peer, %reason, "bid refused");
-                    refused(reason)
-                }
-            },
-            MarketRequest::ChallengePass(pass) => {
-                answer("challenge pass", self.take_pass(peer, pass))
+        let msg: Result<Inbound, OpenError> = match request {
+            MarketRequest::Ping { nonce } => {
+                self.answer(channel, MarketResponse::Pong { nonce });
+                return;
             }
-            MarketRequest::Decline(d) => answer("decline", self.take_decline(&d)),
-            MarketRequest::Award(a) => answer("award", self.take_award(peer, &a)),
-            MarketRequest::LeaseAccept(a) => answer("lease acceptance", self.take_accept(&a)),
-            MarketRequest::LeaseRenewal(r) => answer("renewal", self.take_renewal(&r)),
-            MarketRequest::Cancel(c) => answer("cancellation", self.take_cancel(&c)),
+            MarketRequest::Bid(s) => s.open().map(Inbound::Bid),
+            MarketRequest::Decline(s) => s.open().map(Inbound::Decline),
+            MarketRequest::Award(s) => s.open().map(Inbound::Award),
+            MarketRequest::LeaseAccept(s) => s.open().map(Inbound::Accept),
+            MarketRequest::LeaseRenewal(s) => s.open().map(Inbound::Renewal),
+            MarketRequest::Cancel(s) => s.open().map(Inbound::Cancel),
+            MarketRequest::ChallengePass(s) => s.open().map(Inbound::Pass),
+        };
+        match msg {
+            Ok(msg) => {
+                self.next_inbound += 1;
+                let req = InboundId(self.next_inbound);
+                self.inbound.insert(req, channel);
+                self.market
+                    .handle(now().0, Input::Request { req, from, msg });
+            }
+            Err(e) => {
+                self.penalize(peer, BAD_REQUEST_PENALTY, "malformed market message");
+                self.answer(
+                    channel,
+                    MarketResponse::Refused {
+                        reason: format!("unverifiable: {e}"),
+                    },
+                );
+            }
         }
     }
 
-    /// A bid is kept when it verifies and answers an open offer this node published.
-    fn take_bid(&mut self, bid: &Signed<cannabis_protocol::Bid>) -> Result<(), String> {
-        let verified = bid.verify().map_err(|e| e.to_string())?;
-        let (now_ms, _) = now();
-        let b = &verified.body;
-        if b.valid_until <= now_ms {
-            return Err("the bid has expired".into());
+    fn answer(&mut self, channel: ResponseChannel<MarketResponse>, response: MarketResponse) {
+        if self
+            .swarm
+            .behaviour_mut()
+            .market
+            .send_response(channel, response)
+            .is_err()
+        {
+            debug!("the requester went away before the answer");
         }
-        let offer = self
-            .view
-            .offer(&b.job_id)
-            .ok_or_else(|| format!("no open offer {}", b.job_id))?;
-        if offer.offer.requester != self.address {
-            return Err(format!("offer {} is not this node's", b.job_id));
-        }
-        if offer.id != b.offer {
-            return Err("the bid answers another version of the offer".into());
-        }
-        if b.task as usize >= offer.offer.tasks.len() {
-            return Err(format!("offer {} has no task {}", b.job_id, b.task));
-        }
-        self.bid_for_job(b.clone(), verified.id, now_ms)?;
-        self.store
-            .put_record(Records::Bids, &verified.id.0, &bid.to_bytes())
-            .map_err(|e| format!("cannot record the bid: {e:#}"))?;
-        info!(job = %b.job_id, worker = %b.worker, price = %b.price, msg = %verified.id, "bid received");
-        Ok(())
+    }
+
+    /// The engine's answer to a request.
+    pub(super) fn reply(&mut self, req: InboundId, answer: Reply) {
+        let Some(channel) = self.inbound.remove(&req) else {
+            return;
+        };
+        let response = match answer {
+            Reply::Ack => MarketResponse::Ack,
+            Reply::Refused(why) => MarketResponse::Refused {
+                reason: why.to_string(),
+            },
+        };
+        self.answer(channel, response);
+    }
+
+    /// Signs and sends what the engine asks.
+    pub(super) fn send(&mut self, req: OutboundId, to: Address, msg: Outbound) {
+        let k = &self.keys.signing;
+        let request = match msg {
+            Outbound::Bid(b) => MarketRequest::Bid(Signed::sign(k, &b)),
+            Outbound::Decline(d) => MarketRequest::Decline(Signed::sign(k, &d)),
+            Outbound::Award(a) => MarketRequest::Award(Signed::sign(k, &a)),
+            Outbound::Accept(a) => MarketRequest::LeaseAccept(Signed::sign(k, &a)),
+            Outbound::Renewal(r) => MarketRequest::LeaseRenewal(Signed::sign(k, &r)),
+            Outbound::Cancel(c) => MarketRequest::Cancel(Signed::sign(k, &c)),
+        };
+        let Some(peer) = swarm::peer_of(&to) else {
+            warn!(%to, "no peer id for address");
+            self.market.handle(
+                now().0,
+                Input::Response {
+                    req,
+                    result: Err(format!("no peer id for {to}")),
+                },
+            );
+            return;
+        };
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .market
+            .send_request(&peer, request);
+        self.outbound.insert(id, req);
     }
 
     /// Asks a newly connected peer for its live market, ads and offers.
@@ -191,25 +240,26 @@ impl Node {
             more: false,
         };
         let mut size = 0;
+        let view = self.market.view();
         match request {
             SyncRequest::Ads { after } => {
-                for e in self.view.ads_after(after.as_ref()) {
-                    size += e.signed.payload().len() + 128;
+                for e in view.ads_after(after.as_ref()) {
+                    size += e.signed().payload().len() + 128;
                     if size > SYNC_PAGE_BYTES {
                         page.more = true;
                         break;
                     }
-                    page.ads.push(e.signed.clone());
+                    page.ads.push(e.signed().clone());
                 }
             }
             SyncRequest::Offers { after } => {
-                for e in self.view.offers_after(after.as_ref()) {
-                    size += e.signed.payload().len() + 128;
+                for e in view.offers_after(after.as_ref()) {
+                    size += e.signed().payload().len() + 128;
                     if size > SYNC_PAGE_BYTES {
                         page.more = true;
                         break;
                     }
-                    page.offers.push(e.signed.clone());
+                    page.offers.push(e.signed().clone());
                 }
             }
         }
@@ -219,62 +269,82 @@ impl Node {
     /// Feeds a sync page through the same checks as gossip; asks for the next page.
     fn on_sync_page(&mut self, peer: PeerId, page: SyncResponse) {
         let (now_ms, now_us) = now();
-        let mut accepted = 0;
-        let mut rejected = 0;
+        self.next_sync += 1;
+        let id = SyncId(self.next_sync);
+        self.sync.insert(id, SyncTally::default());
+        let mut undecodable = 0;
         let mut last_ad = None;
         let mut last_offer = None;
-        for ad in &page.ads {
-            let bytes = ad.to_bytes();
-            match self.view.on_ad(&bytes, None, now_ms, now_us) {
-                Verdict::Accept(_) => {
-                    accepted += 1;
-                    self.keep(Kind::Ad, &bytes, now_us);
+        for signed in page.ads {
+            match signed.open() {
+                Ok(item) => {
+                    last_ad = Some(item.body.node);
+                    self.market.handle(
+                        now_ms,
+                        Input::Ad(Heard::<CapabilityAd> {
+                            origin: Origin::Sync(id),
+                            source: None,
+                            received_us: now_us,
+                            item: Arc::new(item),
+                        }),
+                    );
                 }
-                Verdict::Ignore(_) => {}
-                Verdict::Reject(why) => {
-                    rejected += 1;
-                    warn!(%peer, %why, "invalid ad in a sync page");
-                }
+                Err(_) => undecodable += 1,
             }
-            last_ad = cannabis_protocol::decode::<cannabis_protocol::CapabilityAd>(ad.payload())
-                .ok()
-                .map(|a| a.node);
         }
-        for offer in &page.offers {
-            let bytes = offer.to_bytes();
-            match self.view.on_offer(&bytes, None, now_ms, now_us) {
-                Verdict::Accept(_) => {
-                    accepted += 1;
-                    self.keep(Kind::Offer, &bytes, now_us);
-                    self.answer_offer(&bytes);
+        for signed in page.offers {
+            match signed.open() {
+                Ok(item) => {
+                    last_offer = Some(item.body.job_id);
+                    self.market.handle(
+                        now_ms,
+                        Input::Offer(Heard::<JobOffer> {
+                            origin: Origin::Sync(id),
+                            source: None,
+                            received_us: now_us,
+                            item: Arc::new(item),
+                        }),
+                    );
                 }
-                Verdict::Ignore(_) => {}
-                // An offer that expired while the page travelled is not the peer's fault.
-                Verdict::Reject(cannabis_market::RejectReason::Expired { .. }) => {}
-                Verdict::Reject(why) => {
-                    rejected += 1;
-                    warn!(%peer, %why, "invalid offer in a sync page");
-                }
+                Err(_) => undecodable += 1,
             }
-            last_offer = cannabis_protocol::decode::<cannabis_protocol::JobOffer>(offer.payload())
-                .ok()
-                .map(|o| o.job_id);
         }
+        self.drain();
+        let tally = self.sync.remove(&id).unwrap_or_default();
+        let rejected = tally.rejected + undecodable;
         if rejected > 0 {
+            warn!(%peer, rejected, "invalid items in a sync page");
             self.penalize(
                 peer,
-                BAD_REQUEST_PENALTY * f64::from(rejected),
+                BAD_REQUEST_PENALTY * rejected as f64,
                 "invalid sync items",
             );
         }
-        debug!(%peer, accepted, rejected, more = page.more, "sync page");
+        debug!(%peer, accepted = tally.accepted, rejected, more = page.more, "sync page");
         if page.more && rejected == 0 {
-            let next = if !page.ads.is_empty() {
-                SyncRequest::Ads { after: last_ad }
-            } else {
-                SyncRequest::Offers { after: last_offer }
+            let next = match (last_ad, last_offer) {
+                (Some(after), _) => SyncRequest::Ads { after: Some(after) },
+                (None, Some(after)) => SyncRequest::Offers { after: Some(after) },
+                (None, None) => return,
             };
             self.swarm.behaviour_mut().sync.send_request(&peer, next);
+        }
+    }
+
+    /// A sync item's verdict, counted against its page.
+    pub(super) fn count_sync(&mut self, id: SyncId, verdict: &Verdict) {
+        let Some(tally) = self.sync.get_mut(&id) else {
+            return;
+        };
+        match verdict {
+            Verdict::Accept(_) => tally.accepted += 1,
+            // An offer that expired while the page travelled is not the peer's fault.
+            Verdict::Reject(cannabis_market::RejectReason::Expired { .. }) | Verdict::Ignore(_) => {
+            }
+            Verdict::Reject(why) => {
+                debug!(%why, "invalid item in a sync page");
+                tally.rejected += 1;
+            }
         }
     }
 }

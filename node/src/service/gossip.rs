@@ -1,18 +1,27 @@
-//! Gossip: validating what arrives (accept / ignore / reject), publishing our own ad and
-//! offers.
+//! Gossip: decoding what arrives and reporting the engine's verdict (accept / ignore /
+//! reject) to gossipsub; probing the machine off the driver; making, signing and gossiping
+//! our own ad and the offers the engine publishes.
+
+use std::sync::Arc;
 
 use anyhow::Context as _;
-use cannabis_api as api;
-use cannabis_market::Verdict;
-use cannabis_protocol::{
-    AdapterKind, Amount, CapabilityAd, FOUNDER_FEE_BPS, FeeTerms, JobOffer, Signed, Uuid,
+use cannabis_market::{
+    Command as MarketCommand, GossipId, Heard, Input, Origin, Verdict, decode_gossip,
 };
+use cannabis_protocol::{AdapterKind, CapabilityAd, JobOffer, Signed};
 use libp2p::gossipsub::{self, MessageAcceptance};
 use tracing::{debug, info, warn};
 
-use super::{Node, OfferTemplate, now};
-use crate::store::{Kind, Records};
+use super::{Command, Node, now};
 use crate::swarm::{self, Topic};
+
+/// What the machine looked like when last probed (off the driver: the probe reads /proc,
+/// the disk, and NVML, which can take long on a machine with GPUs).
+pub(crate) struct Probe {
+    pub(super) owner: crate::config::Owner,
+    hardware: cannabis_protocol::Hardware,
+    os: cannabis_protocol::OsInfo,
+}
 
 impl Node {
     pub(super) fn on_gossip(&mut self, event: gossipsub::Event) {
@@ -24,6 +33,10 @@ impl Node {
         else {
             if let gossipsub::Event::Subscribed { peer_id, topic } = event {
                 debug!(peer = %peer_id, %topic, "peer subscribed");
+                if self.ad_unheard && Topic::from_hash(&topic) == Some(Topic::Ads) {
+                    // Our ad went out to nobody: now somebody listens.
+                    self.publish_ad_now();
+                }
             }
             return;
         };
@@ -31,222 +44,228 @@ impl Node {
         // Strict validation mode: gossipsub has checked that `source` signed the message.
         let source = message.source.as_ref().and_then(swarm::address_of);
         let topic = Topic::from_hash(&message.topic);
-        let verdict = match (topic, source) {
+        self.next_gossip += 1;
+        let id = GossipId(self.next_gossip);
+        let origin = Origin::Gossip(id);
+        self.gossip.insert(id, (message_id, propagation_source));
+        match (topic, source) {
             (Some(Topic::Ads), Some(source)) => {
-                self.view
-                    .on_ad(&message.data, Some(&source), now_ms, now_us)
+                match decode_gossip::<CapabilityAd>(&message.data) {
+                    Ok(item) => self.market.handle(
+                        now_ms,
+                        Input::Ad(Heard {
+                            origin,
+                            source: Some(source),
+                            received_us: now_us,
+                            item: Arc::new(item),
+                        }),
+                    ),
+                    Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
+                }
             }
-            (Some(Topic::Offers), Some(source)) => {
-                self.view
-                    .on_offer(&message.data, Some(&source), now_ms, now_us)
+            (Some(Topic::Offers), Some(source)) => match decode_gossip::<JobOffer>(&message.data) {
+                Ok(item) => self.market.handle(
+                    now_ms,
+                    Input::Offer(Heard {
+                        origin,
+                        source: Some(source),
+                        received_us: now_us,
+                        item: Arc::new(item),
+                    }),
+                ),
+                Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
+            },
+            (Some(Topic::Blocks), Some(source)) => {
+                let verdict = on_block(&message.data, &source);
+                self.on_verdict(origin, verdict);
             }
-            (Some(Topic::Blocks), Some(source)) => on_block(&message.data, &source),
-            (None, _) | (_, None) => Verdict::Reject(cannabis_market::RejectReason::Decode(
-                cannabis_protocol::DecodeError::Malformed {
-                    kind: "gossip message",
-                    reason: "unknown topic or anonymous source".into(),
-                },
-            )),
+            (None, _) | (_, None) => self.on_verdict(
+                origin,
+                Verdict::Reject(cannabis_market::RejectReason::Decode(
+                    cannabis_protocol::DecodeError::Malformed {
+                        kind: "gossip message",
+                        reason: "unknown topic or anonymous source".into(),
+                    },
+                )),
+            ),
+        }
+    }
+
+    /// The engine's verdict on a gossiped message (forwarded at once: the store's write
+    /// does not delay the next hop) or on a sync item (counted against its page).
+    pub(super) fn on_verdict(&mut self, origin: Origin, verdict: Verdict) {
+        let id = match origin {
+            Origin::Sync(id) => return self.count_sync(id, &verdict),
+            Origin::Gossip(id) => id,
         };
-        let msg = hex_id(&message_id);
+        let Some((message_id, peer)) = self.gossip.remove(&id) else {
+            return;
+        };
+        let msg = hex::encode(&message_id.0);
         let acceptance = match &verdict {
             Verdict::Accept(id) => {
-                debug!(peer = %propagation_source, %msg, id = %id, topic = ?topic, "gossip accepted");
+                debug!(%peer, %msg, id = %id, "gossip accepted");
                 MessageAcceptance::Accept
             }
             Verdict::Ignore(why) => {
-                debug!(peer = %propagation_source, %msg, %why, "gossip ignored");
+                debug!(%peer, %msg, %why, "gossip ignored");
                 MessageAcceptance::Ignore
             }
             Verdict::Reject(why) => {
-                warn!(peer = %propagation_source, %msg, %why, "gossip rejected");
+                warn!(%peer, %msg, %why, "gossip rejected");
                 MessageAcceptance::Reject
             }
         };
-        let accepted = matches!(acceptance, MessageAcceptance::Accept);
-        // Forward first, then persist: the store's fsync must not delay the next hop.
         self.swarm
             .behaviour_mut()
             .gossipsub
-            .report_message_validation_result(&message_id, &propagation_source, acceptance);
-        if accepted {
-            match topic {
-                Some(Topic::Ads) => self.keep(Kind::Ad, &message.data, now_us),
-                Some(Topic::Offers) => {
-                    self.keep(Kind::Offer, &message.data, now_us);
-                    self.answer_offer(&message.data);
+            .report_message_validation_result(&message_id, &peer, acceptance);
+    }
+
+    /// Probes the machine off the driver; the driver publishes the ad when it is back.
+    pub(super) fn probe_machine(
+        &mut self,
+        reply: Option<tokio::sync::oneshot::Sender<anyhow::Result<()>>>,
+    ) {
+        self.probes_asked += 1;
+        let n = self.probes_asked;
+        let data_dir = self.data_dir.clone();
+        let source = self.config.source.clone();
+        let mut owner = self.config.owner.clone();
+        let tx = self.self_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            // The owner's settings are re-read from the file, so the next ad follows the
+            // owner's changes; a file that no longer parses keeps the last good settings.
+            if let Some(path) = source {
+                match crate::config::NodeConfig::from_file(&path) {
+                    Ok(fresh) => owner = fresh.owner,
+                    Err(e) => {
+                        warn!(error = %format!("{e:#}"), "keeping the previous owner settings")
+                    }
                 }
-                _ => {}
             }
-        }
-    }
-
-    /// Persists an accepted ad or offer (so a restart keeps it).
-    pub(super) fn keep(&mut self, kind: Kind, bytes: &[u8], received_us: u64) {
-        if let Some(key) = kind.key_of(bytes)
-            && let Err(e) = self.store.put(kind, &key, received_us, bytes)
-        {
-            warn!(error = %format!("{e:#}"), ?kind, "cannot store a gossip message");
-        }
-    }
-
-    /// The owner's settings: re-read from the configuration file when there is one, so
-    /// the next ad follows the owner's changes; a file that no longer parses keeps the last
-    /// good settings.
-    fn owner(&mut self) -> crate::config::Owner {
-        if let Some(path) = self.config.source.clone() {
-            match crate::config::NodeConfig::from_file(&path) {
-                Ok(fresh) => self.config.owner = fresh.owner,
-                Err(e) => warn!(error = %format!("{e:#}"), "keeping the previous owner settings"),
+            let host = cannabis_runtime::probe::host(&data_dir);
+            let (report, gpus, refusal) = cannabis_runtime::probe::gpus(
+                &cannabis_runtime::gpu::Nvml,
+                &owner.allowed_gpus,
+                owner.cdi_map.as_deref(),
+            );
+            if let cannabis_runtime::gpu::GpuReport::Failed { error } = &report {
+                warn!(%error, "GPU probe failed; advertising no GPU");
             }
-        }
-        self.config.owner.clone()
+            if let Some(refusal) = refusal {
+                warn!(%refusal, "allowed GPUs withdrawn from the ad");
+            }
+            let mut hardware = host.hardware;
+            hardware.gpus = gpus;
+            let probe = Probe {
+                owner,
+                hardware,
+                os: host.os,
+            };
+            let _ = tx.blocking_send(Command::Probed(n, Box::new(probe), reply));
+        });
     }
 
-    /// Probes, makes, signs, keeps and gossips this node's capability ad.
+    /// Publishes the ad again from the last probe, if there is one yet.
+    pub(super) fn publish_ad_now(&mut self) {
+        if self.probe.is_none() {
+            return;
+        }
+        if let Err(e) = self.publish_ad() {
+            warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
+        }
+    }
+
+    /// Makes, signs, keeps and gossips this node's capability ad from the last probe.
     pub(super) fn publish_ad(&mut self) -> anyhow::Result<()> {
+        let probe = self
+            .probe
+            .as_ref()
+            .context("the machine has not been probed yet")?;
         let (now_ms, now_us) = now();
-        let owner = self.owner();
-        let host = cannabis_runtime::probe::host(&self.data_dir);
-        let (report, gpus, refusal) = cannabis_runtime::probe::gpus(
-            &cannabis_runtime::gpu::Nvml,
-            &owner.allowed_gpus,
-            owner.cdi_map.as_deref(),
-        );
-        if let cannabis_runtime::gpu::GpuReport::Failed { error } = &report {
-            warn!(%error, "GPU probe failed; advertising no GPU");
-        }
-        if let Some(refusal) = refusal {
-            warn!(%refusal, "allowed GPUs withdrawn from the ad");
-        }
-        let mut hardware = host.hardware;
-        hardware.gpus = gpus;
-        let challenges = self.passes_for_ad(hardware.cpu_cores);
+        let challenges = self.market.passes_for_ad(probe.hardware.cpu_cores);
         let (runtimes, collectives) = self.software.clone().unwrap_or_default();
+        let isolation = match self.executor.borrow().as_deref() {
+            Some(Ok(ex)) => ex.layers().to_vec(),
+            _ => Vec::new(),
+        };
         let ad = CapabilityAd {
             node: self.address,
             seq: self.store.next_seq("ad", now_ms.0)?,
             issued_at: now_ms,
             expires_at: now_ms.plus_ms(self.config.gossip.ad_ttl_secs.saturating_mul(1000)),
             delivery: self.keys.delivery.recipient(),
-            hardware,
-            os: host.os,
+            hardware: probe.hardware.clone(),
+            os: probe.os.clone(),
             runtimes,
             adapters: vec![AdapterKind::Synthetic],
             collectives,
-            isolation: match self.executor.as_ref() {
-                Ok(ex) => ex.layers().to_vec(),
-                Err(_) => Vec::new(),
-            },
-            network: owner.network,
-            prices: owner.prices,
+            isolation,
+            network: probe.owner.network.clone(),
+            prices: probe.owner.prices.clone(),
             attestation: None,
             challenges,
         };
-        let bytes = Signed::sign(&self.keys.signing, &ad).to_bytes();
-        self.publish(Topic::Ads, bytes, now_us)?;
-        debug!(seq = ad.seq, "capability ad published");
+        let signed = Signed::sign(&self.keys.signing, &ad);
+        let bytes = signed.to_bytes();
+        let item = signed.open().context("our own ad does not open")?;
+        self.market
+            .command(now_ms, MarketCommand::KeepOwnAd(item, now_us))
+            .map_err(|e| anyhow::anyhow!("not published: {e}"))?;
+        let heard = self.gossip_publish(Topic::Ads, bytes)?;
+        self.ad_unheard = !heard;
+        debug!(seq = ad.seq, heard, "capability ad published");
         Ok(())
     }
 
-    /// Makes, signs, keeps and gossips an offer from a template.
-    pub(super) fn publish_offer(
-        &mut self,
-        t: OfferTemplate,
-    ) -> anyhow::Result<(api::Published, JobOffer, cannabis_protocol::Digest)> {
+    /// Signs an offer the engine publishes, keeps it in the view, and gossips it.
+    pub(super) fn publish_offer_signed(&mut self, offer: JobOffer) {
         let (now_ms, now_us) = now();
-        let budget =
-            Amount::sum(t.tasks.iter().map(|t| &t.budget)).context("task budgets overflow")?;
-        let offer = JobOffer {
-            job_id: match t.job_id {
-                Some(id) => id,
-                None => Uuid::from_random(random16()?),
-            },
-            requester: self.address,
-            seq: self.store.next_seq("offer", now_ms.0)?,
-            issued_at: now_ms,
-            expires_at: now_ms.plus_ms(t.ttl_ms),
-            deadline: now_ms.plus_ms(t.deadline_ms),
-            delivery: self.keys.delivery.recipient(),
-            budget,
-            fee: FeeTerms {
-                rate_bps: FOUNDER_FEE_BPS,
-                recipient: t.fee_recipient.unwrap_or(self.address),
-            },
-            review_window_ms: t.review_window_ms,
-            acceptance: t.acceptance,
-            tasks: t.tasks,
-        };
+        let job = offer.job_id;
         let signed = Signed::sign(&self.keys.signing, &offer);
-        let id = signed.id();
-        let published_at_us = self.publish(Topic::Offers, signed.to_bytes(), now_us)?;
-        info!(job = %offer.job_id, msg = %id, "offer published");
-        let published = api::Published {
-            job_id: offer.job_id.to_string(),
-            id: id.to_string(),
-            published_at_us,
-        };
-        Ok((published, offer, id))
+        let bytes = signed.to_bytes();
+        let kept = signed
+            .open()
+            .map_err(|e| anyhow::anyhow!("our own offer does not open: {e}"))
+            .and_then(|item| {
+                self.market
+                    .command(now_ms, MarketCommand::KeepOwnOffer(item, now_us))
+                    .map_err(|e| anyhow::anyhow!("not published: {e}"))
+            });
+        if let Err(e) = kept {
+            warn!(%job, error = %format!("{e:#}"), "offer not published");
+            return;
+        }
+        let handed_over_us = now().1;
+        match self.gossip_publish(Topic::Offers, bytes) {
+            Ok(_) => {
+                info!(%job, "offer published");
+                self.published_at.insert(job, handed_over_us);
+            }
+            Err(e) => warn!(%job, error = %format!("{e:#}"), "offer not gossiped"),
+        }
     }
 
-    /// Puts our own message through the same checks as everyone's, keeps it (durably), and
-    /// gossips it. Having no peers yet is fine: peers that connect later get it through
-    /// sync. Returns when it was handed to gossip, in µs since the epoch.
-    fn publish(&mut self, topic: Topic, bytes: Vec<u8>, now_us: u64) -> anyhow::Result<u64> {
-        let me = self.address;
-        let now_ms = cannabis_protocol::Timestamp(now_us / 1000);
-        let verdict = match topic {
-            Topic::Ads => self.view.on_ad(&bytes, Some(&me), now_ms, now_us),
-            Topic::Offers => self.view.on_offer(&bytes, Some(&me), now_ms, now_us),
-            Topic::Blocks => anyhow::bail!("blocks are published by the ledger"),
-        };
-        match verdict {
-            Verdict::Accept(_) => {}
-            Verdict::Ignore(why) => anyhow::bail!("not published: {why}"),
-            Verdict::Reject(why) => anyhow::bail!("not published: {why}"),
-        }
-        match topic {
-            Topic::Ads => self.keep(Kind::Ad, &bytes, now_us),
-            _ => self.keep(Kind::Offer, &bytes, now_us),
-        }
-        let (_, handed_over_us) = now();
-        let published = self
+    /// Gossips a message. Having no peers yet is fine: peers that connect later get it
+    /// through sync. Returns whether any peer was there to hear it.
+    fn gossip_publish(&mut self, topic: Topic, bytes: Vec<u8>) -> anyhow::Result<bool> {
+        match self
             .swarm
             .behaviour_mut()
             .gossipsub
-            .publish(topic.ident(), bytes);
-        match published {
-            Ok(_) => Ok(handed_over_us),
+            .publish(topic.ident(), bytes)
+        {
+            Ok(_) => Ok(true),
             Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
                 debug!(
                     ?topic,
                     "no gossip peers yet; peers will get it through sync"
                 );
-                Ok(handed_over_us)
+                Ok(false)
             }
             Err(e) => Err(anyhow::anyhow!("gossip publish failed: {e}")),
         }
-    }
-
-    pub(super) fn received_bids(&self) -> Vec<api::ReceivedBid> {
-        let bids = match self.store.records(Records::Bids) {
-            Ok(b) => b,
-            Err(e) => {
-                warn!(error = %format!("{e:#}"), "cannot read bids");
-                return Vec::new();
-            }
-        };
-        bids.iter()
-            .filter_map(|(_, b)| Signed::<cannabis_protocol::Bid>::from_bytes(b).ok())
-            .filter_map(|s| s.verify().ok())
-            .map(|v| api::ReceivedBid {
-                job_id: v.body.job_id.to_string(),
-                task: v.body.task,
-                worker: v.body.worker.to_string(),
-                price: v.body.price,
-                id: v.id.to_string(),
-            })
-            .collect()
     }
 }
 
@@ -271,14 +290,4 @@ fn on_block(bytes: &[u8], source: &cannabis_protocol::Address) -> Verdict {
             },
         )),
     }
-}
-
-fn hex_id(id: &gossipsub::MessageId) -> String {
-    hex::encode(&id.0)
-}
-
-fn random16() -> anyhow::Result<[u8; 16]> {
-    let mut b = [0u8; 16];
-    getrandom::getrandom(&mut b).context("reading the system random source")?;
-    Ok(b)
 }

@@ -10,8 +10,14 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::Command;
 
-/// The node's local executor, or why it has none.
-pub(crate) type ExecutorSlot = std::sync::Arc<Result<cannabis_runtime::exec::Executor, String>>;
+/// The local executor once it opened, or why it did not.
+pub(crate) type Opened = Option<std::sync::Arc<Result<cannabis_runtime::exec::Executor, String>>>;
+
+/// Where the local executor appears once it opened (in the background, at start).
+pub(crate) type ExecutorSlot = tokio::sync::watch::Receiver<Opened>;
+
+/// How long a caller waits for the executor to open at start.
+const EXECUTOR_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// A cheap-to-clone handle on a running node.
 #[derive(Clone)]
@@ -37,10 +43,20 @@ impl NodeHandle {
         }
     }
 
-    /// The local executor, or why this node has none. Only the local API reaches it:
-    /// nothing on the network side can change its settings.
-    pub fn executor(&self) -> Result<&cannabis_runtime::exec::Executor, &str> {
-        self.executor.as_ref().as_ref().map_err(String::as_str)
+    /// The local executor, or why this node has none; waits while it is still opening.
+    /// Only the local API reaches it: nothing on the network side can change its settings.
+    pub async fn executor(&self) -> Result<cannabis_runtime::exec::Executor, String> {
+        let mut slot = self.executor.clone();
+        let opened = tokio::time::timeout(EXECUTOR_WAIT, slot.wait_for(Option::is_some))
+            .await
+            .map_err(|_| "the executor is still opening".to_string())?
+            .map_err(|_| "the node stopped".to_string())?
+            .clone();
+        match opened.as_deref() {
+            Some(Ok(ex)) => Ok(ex.clone()),
+            Some(Err(why)) => Err(why.clone()),
+            None => Err("the executor is still opening".to_string()),
+        }
     }
 
     /// The node's peer id.

@@ -89,6 +89,8 @@ fn bid(worker: &Keypair, job: &str, offer_id: &str, task: u32) -> Signed<Bid> {
             .unwrap()
             .as_millis() as u64,
     );
+    // Issued a moment ahead, so it is newer than the bid the worker's node made itself.
+    let issued = now.plus_ms(1_000);
     Signed::sign(
         worker,
         &Bid {
@@ -97,8 +99,8 @@ fn bid(worker: &Keypair, job: &str, offer_id: &str, task: u32) -> Signed<Bid> {
             offer: offer_id.parse().unwrap(),
             worker: worker.address(),
             price: cannabis_protocol::Amount(900),
-            earliest_start: now,
-            issued_at: now,
+            earliest_start: issued,
+            issued_at: issued,
             valid_until: now.plus_ms(60_000),
         },
     )
@@ -134,19 +136,22 @@ async fn a_bid_reaches_the_requester_and_bad_bids_are_refused() {
         .await
         .unwrap();
     assert_eq!(answer, MarketResponse::Ack);
-    // The worker's node also bid by itself when it saw the offer (it matches the task).
-    let h = requester.handle.clone();
-    let bids = wait_for(Duration::from_secs(10), "both bids", || {
-        let h = h.clone();
-        async move { h.bids().await.ok().filter(|b| b.len() == 2) }
-    })
-    .await;
-    drop(h);
-    assert!(
-        bids.iter()
-            .all(|b| b.worker == worker_keys.address().to_string())
-    );
-    assert!(bids.iter().any(|b| b.id == good.id().to_string()));
+    // The worker's node also bid by itself when it saw the offer (it matches the task);
+    // one bid per worker and task is kept: the newer, ours.
+    let bids = requester.handle.bids().await.unwrap();
+    assert_eq!(bids.len(), 1, "{bids:?}");
+    assert_eq!(bids[0].worker, worker_keys.address().to_string());
+    assert_eq!(bids[0].id, good.id().to_string());
+    // The same bid again is a duplicate.
+    match worker
+        .handle
+        .market(requester.handle.peer_id(), MarketRequest::Bid(good.clone()))
+        .await
+        .unwrap()
+    {
+        MarketResponse::Refused { reason } => assert!(reason.contains("newer bid"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 
     // A bid for a task the offer does not have, and one for an unknown job.
     let no_task = bid(&worker_keys, &offer.job_id, &offer.id, 7);
@@ -167,22 +172,31 @@ async fn a_bid_reaches_the_requester_and_bad_bids_are_refused() {
             other => panic!("expected a refusal, got {other:?}"),
         }
     }
-    // A bid to a node that did not publish the offer is refused too.
-    match requester
-        .handle
-        .market(
-            worker.handle.peer_id(),
-            MarketRequest::Bid(bid(&worker_keys, &offer.job_id, &offer.id, 0)),
-        )
-        .await
-        .unwrap()
-    {
-        MarketResponse::Refused { reason } => {
-            assert!(reason.contains("not this node's"), "{reason}")
+    // A bid to a node that did not publish the offer is refused too; so is a bid sent by
+    // another peer than its signer.
+    let requester_keys = cannabis_node::keystore::load(&cannabis_node::keystore::KeyPaths::new(
+        &dir.path().join("req"),
+    ))
+    .unwrap()
+    .signing;
+    for (b, why) in [
+        (
+            bid(&requester_keys, &offer.job_id, &offer.id, 0),
+            "not this node's",
+        ),
+        (bid(&worker_keys, &offer.job_id, &offer.id, 0), "signed by"),
+    ] {
+        match requester
+            .handle
+            .market(worker.handle.peer_id(), MarketRequest::Bid(b))
+            .await
+            .unwrap()
+        {
+            MarketResponse::Refused { reason } => assert!(reason.contains(why), "{reason}"),
+            other => panic!("expected a refusal, got {other:?}"),
         }
-        other => panic!("expected a refusal, got {other:?}"),
     }
-    assert_eq!(requester.handle.bids().await.unwrap().len(), 2);
+    assert_eq!(requester.handle.bids().await.unwrap().len(), 1);
 
     // Round trips of the market protocol.
     let ping = worker

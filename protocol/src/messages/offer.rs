@@ -47,6 +47,15 @@ pub struct JobOffer {
         )
     )]
     pub tasks: Vec<TaskSpec>,
+    /// How each task calls for bids (one per task, in task order): which matching workers
+    /// are drawn to bid. See [`crate::draw`].
+    #[cfg_attr(
+        feature = "arbitrary",
+        proptest(
+            strategy = "proptest::collection::vec(proptest::arbitrary::any::<crate::draw::BidCall>(), 0..4)"
+        )
+    )]
+    pub calls: Vec<crate::draw::BidCall>,
 }
 
 /// One task of a job: placed, leased and paid on its own.
@@ -343,6 +352,22 @@ impl Message for JobOffer {
         }
         if self.tasks.is_empty() || self.tasks.len() > MAX_TASKS {
             return Err(Invalid::new("tasks", "must hold 1 to 256 tasks"));
+        }
+        if self.calls.len() != self.tasks.len() {
+            return Err(Invalid::new(
+                "calls",
+                format!(
+                    "holds {} calls for {} tasks (one per task)",
+                    self.calls.len(),
+                    self.tasks.len()
+                ),
+            ));
+        }
+        if self.calls.iter().any(|c| c.odds_ppb == 0) {
+            return Err(Invalid::new(
+                "calls.odds_ppb",
+                "must be above 0 (no worker could bid)",
+            ));
         }
         check_unique("tasks.name", self.tasks.iter().map(|t| t.name.as_str()))?;
         for (i, task) in self.tasks.iter().enumerate() {

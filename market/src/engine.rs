@@ -1,0 +1,1194 @@
+//! [`Market`]: the whole market of one node as one sans-IO state machine, for the node and
+//! the simulator alike.
+//!
+//! It owns both roles: the live [`View`], the requester's [`Job`]s, the worker's quotes,
+//! bids and leases, and the challenge passes. It holds no clock, socket, key, random
+//! source or store. Every input carries `now`; what it wants done comes out of
+//! [`Market::poll_output`] in order, and [`Market::poll_timeout`] says when to call
+//! [`Market::handle`] with [`Input::Tick`] next.
+//!
+//! **Durable before sent.** Records that changed are written out as one
+//! [`Output::Persist`] per drain. Outputs that commit this node to something (a bid, an
+//! award, a renewal, a countersignature, an acknowledgment, a published offer) are held
+//! back until the driver calls [`Market::persisted`] for that batch. Verdicts on others'
+//! gossip, refusals, penalties and events pass at once: forwarding gossip does not wait
+//! for a disk. If a write fails, the driver drops the `Market` and [`Market::restore`]s it
+//! from the store, which is then still the truth.
+//!
+//! **Signatures.** The driver signs what the engine sends; the engine checks the
+//! signatures of what it receives, after the cheap checks (unless configured to assume
+//! them, which only simulations do).
+//!
+//! See `docs/architecture.md` for the driver loop and ENGINE notes.
+
+mod outbox;
+mod requester;
+mod worker;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use cannabis_protocol::{
+    Address, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryRecipient, Digest,
+    Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest, Received,
+    Signed, Timestamp, Uuid,
+};
+
+use crate::fanin::FaninConfig;
+use crate::job::{Job, JobState, LeaseConfig};
+use crate::lease::{AssignmentKey, EndReason, Lease, Leases, SentBid};
+use crate::matching::{self, Context, Explanation};
+use crate::quote::WorkerPolicy;
+use crate::view::Signatures;
+use crate::{OfferTemplate, Refusal, Verdict, View, ViewConfig};
+
+use outbox::Outbox;
+
+/// Settings of the engine.
+#[derive(Clone, Debug, Default)]
+pub struct MarketConfig {
+    /// Limits of the live view.
+    pub view: ViewConfig,
+    /// Lease timing of the jobs this node publishes.
+    pub leases: LeaseConfig,
+    /// What this node takes as a worker.
+    pub worker: WorkerPolicy,
+    /// How this node calls for bids as a requester.
+    pub fanin: FaninConfig,
+    /// Whether signatures are checked (always, on a node).
+    pub signatures: Signatures,
+}
+
+/// Who this node is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// Its address (signing key).
+    pub address: Address,
+    /// Its age recipient, for outputs encrypted to it.
+    pub delivery: DeliveryRecipient,
+}
+
+/// How long ended leases stay listed.
+const KEEP_ENDED_MS: u64 = 3_600_000;
+
+/// How long a finished job stays in the store.
+const KEEP_JOBS_MS: u64 = 7 * 86_400_000;
+
+macro_rules! ids {
+    ($($(#[$m:meta])* $name:ident),*) => {$(
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(pub u64);
+    )*};
+}
+
+ids!(
+    /// A gossip message the driver received, to report a verdict on.
+    GossipId,
+    /// An item of a sync page the driver received.
+    SyncId,
+    /// A request from a peer that the engine answers exactly once.
+    InboundId,
+    /// A request the engine sent.
+    OutboundId,
+    /// A batch of records to persist.
+    BatchId
+);
+
+/// Where a gossiped kind of message came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// Gossip: the driver reports the verdict to gossipsub.
+    Gossip(GossipId),
+    /// A sync page: the driver counts the verdicts.
+    Sync(SyncId),
+}
+
+/// A gossiped ad or offer, decoded (see [`crate::decode_gossip`]) but not yet believed.
+#[derive(Clone, Debug)]
+pub struct Heard<T> {
+    /// Where it came from.
+    pub origin: Origin,
+    /// The gossip author, when known.
+    pub source: Option<Address>,
+    /// When it was received, µs since the epoch.
+    pub received_us: u64,
+    /// The message.
+    pub item: Arc<Received<T>>,
+}
+
+/// A directed market message from a peer.
+#[derive(Clone, Debug)]
+pub enum Inbound {
+    /// A worker's bid.
+    Bid(Received<Bid>),
+    /// A worker's decline.
+    Decline(Received<Decline>),
+    /// A requester's award.
+    Award(Received<Award>),
+    /// A worker's countersignature.
+    Accept(Received<LeaseAccept>),
+    /// A requester's renewal.
+    Renewal(Received<LeaseRenewal>),
+    /// A requester's cancellation.
+    Cancel(Received<Cancel>),
+    /// A verifier's challenge pass for this node.
+    Pass(Received<ChallengePass>),
+}
+
+/// A peer's answer to a request the engine sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// Taken.
+    Ack,
+    /// Refused, with the peer's reason.
+    Refused(String),
+}
+
+/// What happens to the engine. (Passed by value and consumed at once, never stored: the
+/// size of the largest variant costs nothing worth an allocation per message.)
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Input {
+    /// A capability ad.
+    Ad(Heard<CapabilityAd>),
+    /// A job offer.
+    Offer(Heard<JobOffer>),
+    /// A directed request from `from` (the peer's address, from its connection).
+    Request {
+        /// Answered once, with [`Output::Reply`].
+        req: InboundId,
+        /// Who sent it.
+        from: Address,
+        /// What.
+        msg: Inbound,
+    },
+    /// The answer to [`Output::Send`], or why none came.
+    Response {
+        /// The request.
+        req: OutboundId,
+        /// The answer, or the failure.
+        result: Result<Answer, String>,
+    },
+    /// Time passed (wake at [`Market::poll_timeout`]; an early tick does nothing).
+    Tick,
+}
+
+/// A message for the driver to sign and send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outbound {
+    /// To a requester.
+    Bid(Bid),
+    /// To a requester.
+    Decline(Decline),
+    /// To a worker.
+    Award(Award),
+    /// To a requester.
+    Accept(LeaseAccept),
+    /// To a worker.
+    Renewal(LeaseRenewal),
+    /// To a worker.
+    Cancel(Cancel),
+}
+
+/// The engine's answer to an inbound request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// Taken (sent only once what it changed is durable).
+    Ack,
+    /// Refused.
+    Refused(Refusal),
+}
+
+/// A message for the driver to sign, give back with [`Command::KeepOwnOffer`], and gossip.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Publish {
+    /// A job offer (new, or a new version with a wider call).
+    Offer(JobOffer),
+}
+
+/// A record the engine keeps durably.
+#[derive(Clone, Debug)]
+pub enum Record {
+    /// A live capability ad.
+    Ad {
+        /// The node (the key).
+        node: Address,
+        /// The signed ad.
+        signed: Signed<CapabilityAd>,
+        /// When it was received, µs since the epoch.
+        received_us: u64,
+    },
+    /// An open offer.
+    Offer {
+        /// The job (the key).
+        job: Uuid,
+        /// The signed offer.
+        signed: Signed<JobOffer>,
+        /// When it was received, µs since the epoch.
+        received_us: u64,
+    },
+    /// A job this node published (key: the job).
+    Job(Box<Job>),
+    /// A bid this node sent (key: its message id).
+    SentBid(Digest, SentBid),
+    /// A lease this node holds as a worker (key: the assignment).
+    Lease(AssignmentKey, Lease),
+    /// A challenge pass a verifier signed for this node.
+    Pass {
+        /// The verifier (the key).
+        verifier: Address,
+        /// The signed pass.
+        signed: Signed<ChallengePass>,
+    },
+    /// A sequence counter (key: its name).
+    Counter(String, u64),
+}
+
+/// The key of a [`Record`].
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RecordKey {
+    /// An ad.
+    Ad(Address),
+    /// An offer.
+    Offer(Uuid),
+    /// A job.
+    Job(Uuid),
+    /// A sent bid.
+    SentBid(Digest),
+    /// A worker lease.
+    Lease(AssignmentKey),
+    /// A challenge pass.
+    Pass(Address),
+    /// A counter.
+    Counter(String),
+}
+
+impl Record {
+    /// Its key.
+    pub fn key(&self) -> RecordKey {
+        match self {
+            Record::Ad { node, .. } => RecordKey::Ad(*node),
+            Record::Offer { job, .. } => RecordKey::Offer(*job),
+            Record::Job(j) => RecordKey::Job(j.id()),
+            Record::SentBid(id, _) => RecordKey::SentBid(*id),
+            Record::Lease(k, _) => RecordKey::Lease(*k),
+            Record::Pass { verifier, .. } => RecordKey::Pass(*verifier),
+            Record::Counter(name, _) => RecordKey::Counter(name.clone()),
+        }
+    }
+}
+
+/// A change to the store.
+#[derive(Clone, Debug)]
+pub enum RecordOp {
+    /// Write (or replace) a record.
+    Put(Record),
+    /// Delete the record under a key.
+    Delete(RecordKey),
+}
+
+/// What happened, for logs, metrics and the driver's own follow-ups.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MarketEvent {
+    /// This node bid on a task.
+    BidSent {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The quote.
+        price: cannabis_protocol::Amount,
+    },
+    /// This node declined a task, with its reason.
+    Declined {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// Why.
+        reason: String,
+    },
+    /// A bid for one of this node's jobs was kept.
+    BidTaken {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The worker.
+        worker: Address,
+        /// Its quote.
+        price: cannabis_protocol::Amount,
+    },
+    /// One of this node's jobs sent an award.
+    Awarded {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The rank.
+        rank: u32,
+        /// The epoch.
+        epoch: u64,
+        /// The worker.
+        worker: Address,
+    },
+    /// Every rank of a task of one of this node's jobs holds a current lease.
+    TaskLeased {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+    },
+    /// A job's offer was published again with a wider call.
+    Widened {
+        /// The job.
+        job: Uuid,
+    },
+    /// A job ended (completed, failed or cancelled).
+    JobEnded {
+        /// The job.
+        job: Uuid,
+        /// How.
+        state: JobState,
+    },
+    /// This node countersigned an award: it holds the lease.
+    LeaseTaken {
+        /// The assignment.
+        key: AssignmentKey,
+        /// The epoch.
+        epoch: u64,
+    },
+    /// A lease this node held ended: its workload stops.
+    LeaseEnded {
+        /// The assignment.
+        key: AssignmentKey,
+        /// The epoch.
+        epoch: u64,
+        /// Why.
+        reason: EndReason,
+    },
+    /// A verifier's challenge pass was kept: the next ad should carry it.
+    PassKept {
+        /// The verifier.
+        verifier: Address,
+    },
+    /// A request from a peer was refused.
+    Refused {
+        /// The peer.
+        from: Address,
+        /// What it sent (`bid`, `award`, ...).
+        what: &'static str,
+        /// Why.
+        why: Refusal,
+    },
+    /// A peer answered a request of this node (only logged: the lease timers cover
+    /// answers that never came).
+    Answered {
+        /// What was sent.
+        what: &'static str,
+        /// To whom.
+        to: Address,
+        /// The answer, or why none came.
+        result: Result<Answer, String>,
+    },
+    /// An ad or offer expired from the view.
+    Expired {
+        /// Nodes whose ad expired.
+        ads: usize,
+        /// Jobs whose offer expired.
+        offers: Vec<Uuid>,
+    },
+}
+
+/// What the engine asks the driver to do, in order.
+#[derive(Clone, Debug)]
+pub enum Output {
+    /// Write these records in one durable transaction, then call [`Market::persisted`].
+    Persist {
+        /// The batch.
+        batch: BatchId,
+        /// The changes.
+        ops: Vec<RecordOp>,
+    },
+    /// Report a verdict on a gossiped message or sync item.
+    Validate {
+        /// Which.
+        origin: Origin,
+        /// Accept (forward), ignore, or reject (and penalize).
+        verdict: Verdict,
+    },
+    /// Sign `msg` and send it to `to`; give the answer back as [`Input::Response`].
+    Send {
+        /// The request.
+        req: OutboundId,
+        /// To whom.
+        to: Address,
+        /// What.
+        msg: Outbound,
+    },
+    /// Answer an inbound request.
+    Reply {
+        /// Which.
+        req: InboundId,
+        /// The answer.
+        answer: Reply,
+    },
+    /// Sign, keep ([`Command::KeepOwnOffer`]) and gossip.
+    Publish(Publish),
+    /// Lower a peer's score: it sent what no honest node sends.
+    Penalize {
+        /// The peer.
+        peer: Address,
+        /// What it did.
+        why: Refusal,
+    },
+    /// Something happened.
+    Event(MarketEvent),
+}
+
+/// What the node's owner or requester asks of the engine. (Consumed at once, never
+/// stored.)
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Command {
+    /// Publish an offer from a template and run its job (bids, placement, leases).
+    Submit {
+        /// The job.
+        template: OfferTemplate,
+        /// Random bytes for the job id, when the template has none.
+        nonce: [u8; 16],
+    },
+    /// Publish an offer without running a job for it: its bids are only listed.
+    PublishOffer {
+        /// The offer.
+        template: OfferTemplate,
+        /// Random bytes for the job id, when the template has none.
+        nonce: [u8; 16],
+    },
+    /// This node's own ad, signed: keep it in the view (the driver then gossips it).
+    KeepOwnAd(Received<CapabilityAd>, u64),
+    /// This node's own offer as asked by [`Output::Publish`], signed: keep it in the view.
+    KeepOwnOffer(Received<JobOffer>, u64),
+    /// Cancel a job: every live lease gets a cancellation.
+    Cancel(Uuid),
+    /// This node answered a capability challenge that `verifier` set with `seed`: a pass
+    /// for it will be kept.
+    ChallengeAnswered {
+        /// Who set it.
+        verifier: Address,
+        /// Its seed.
+        seed: Digest,
+    },
+    /// A node passed a challenge this node set: matching counts it.
+    ChallengePassed {
+        /// The node.
+        worker: Address,
+        /// When.
+        at: Timestamp,
+    },
+    /// A rank of one of this node's jobs delivered, checked by the delivery path.
+    Delivered {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The rank.
+        rank: u32,
+        /// Its epoch.
+        epoch: u64,
+        /// Output digests by name.
+        outputs: Vec<NamedDigest>,
+    },
+    /// A rank of one of this node's jobs failed, as its worker reported it.
+    RankFailed {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The rank.
+        rank: u32,
+        /// Its epoch.
+        epoch: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What a command did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommandOk {
+    /// A job was created; its offer follows as [`Output::Publish`].
+    Submitted {
+        /// The job.
+        job: Uuid,
+        /// The offer's message id.
+        offer: Digest,
+    },
+    /// An offer was kept in the view.
+    Kept(Digest),
+    /// Done.
+    Done,
+}
+
+/// Why a command was not carried out.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CommandError {
+    /// The offer breaks a rule of its type.
+    #[error("invalid offer: {0}")]
+    Invalid(#[from] Invalid),
+    /// The view did not take the message.
+    #[error("not published: {0:?}")]
+    NotKept(Verdict),
+    /// No job of this node has that id.
+    #[error("this node published no job {0}")]
+    UnknownJob(Uuid),
+    /// The job is over.
+    #[error("job {job} is already over ({state:?})")]
+    JobOver {
+        /// The job.
+        job: Uuid,
+        /// Its state.
+        state: JobState,
+    },
+    /// The job id is taken.
+    #[error("job id {0} is already used")]
+    JobIdTaken(Uuid),
+    /// Money that does not add up.
+    #[error("money: {0}")]
+    Money(#[from] MoneyError),
+    /// The state machine refused.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+}
+
+/// What a request the engine sent was for.
+#[derive(Clone, Debug)]
+enum Purpose {
+    Award {
+        job: Uuid,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+    },
+    Renew(LeaseRenewal),
+    Other(&'static str, Address),
+}
+
+/// An offer published without a job: bids for it are kept and listed, nothing else.
+#[derive(Clone, Debug)]
+struct Bare {
+    offer: Digest,
+    keep: u32,
+    bids: BTreeMap<(u32, Address), (Bid, Digest)>,
+}
+
+/// The market of one node.
+pub struct Market {
+    config: MarketConfig,
+    me: Identity,
+    now: Timestamp,
+    view: View,
+    jobs: BTreeMap<Uuid, Job>,
+    /// When each open job next needs a tick.
+    wakes: BTreeSet<(Timestamp, Uuid)>,
+    wake_of: BTreeMap<Uuid, Timestamp>,
+    bare: BTreeMap<Uuid, Bare>,
+    leases: Leases,
+    /// Tasks this node declined, so a widened offer is not declined again.
+    declined: BTreeMap<Uuid, BTreeSet<u32>>,
+    /// When each node last passed a challenge this node set.
+    local_passes: BTreeMap<Address, Timestamp>,
+    /// Passes other nodes signed for this one, by verifier.
+    own_passes: BTreeMap<Address, (Signed<ChallengePass>, ChallengePass)>,
+    /// Challenges this node answered lately: who set them, with which seed.
+    answered: VecDeque<(Address, Digest)>,
+    counters: BTreeMap<String, u64>,
+    pending: BTreeMap<OutboundId, Purpose>,
+    next_request: u64,
+    out: Outbox,
+}
+
+/// How many answered challenges are remembered, waiting for their pass.
+const ANSWERED_KEPT: usize = 8;
+
+impl Market {
+    /// An engine with nothing in it.
+    pub fn new(config: MarketConfig, me: Identity, now: Timestamp) -> Self {
+        Self {
+            view: View::new(config.view.clone(), config.signatures),
+            leases: Leases::new(me.address),
+            config,
+            me,
+            now,
+            jobs: BTreeMap::new(),
+            wakes: BTreeSet::new(),
+            wake_of: BTreeMap::new(),
+            bare: BTreeMap::new(),
+            declined: BTreeMap::new(),
+            local_passes: BTreeMap::new(),
+            own_passes: BTreeMap::new(),
+            answered: VecDeque::new(),
+            counters: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            next_request: 0,
+            out: Outbox::default(),
+        }
+    }
+
+    /// Rebuilds the engine from what the store kept. Ads, offers and passes are checked
+    /// again (signatures included); what no longer holds, and jobs over for a week, are
+    /// deleted by the first [`Output::Persist`].
+    pub fn restore(
+        config: MarketConfig,
+        me: Identity,
+        now: Timestamp,
+        records: impl IntoIterator<Item = Record>,
+    ) -> Self {
+        let mut m = Self::new(config, me, now);
+        let mut bids = Vec::new();
+        let mut leases = Vec::new();
+        for record in records {
+            let key = record.key();
+            match record {
+                Record::Ad {
+                    node,
+                    signed,
+                    received_us,
+                } => {
+                    let kept = signed.open().ok().is_some_and(|item| {
+                        item.body.node == node
+                            && matches!(
+                                m.view.on_ad(Arc::new(item), None, now, received_us),
+                                Verdict::Accept(_)
+                            )
+                    });
+                    if !kept {
+                        m.out.dirty(key);
+                    }
+                }
+                Record::Offer {
+                    job,
+                    signed,
+                    received_us,
+                } => {
+                    let kept = signed.open().ok().is_some_and(|item| {
+                        item.body.job_id == job
+                            && matches!(
+                                m.view.on_offer(Arc::new(item), None, now, received_us),
+                                Verdict::Accept(_)
+                            )
+                    });
+                    if !kept {
+                        m.out.dirty(key);
+                    }
+                }
+                Record::Job(job) => {
+                    let over = job.state() != JobState::Open
+                        && now.ms_since(job.offer().deadline) > KEEP_JOBS_MS;
+                    if over {
+                        m.out.dirty(key);
+                    } else {
+                        let id = job.id();
+                        m.jobs.insert(id, *job);
+                        m.rewake(id);
+                    }
+                }
+                Record::SentBid(id, sent) => bids.push((id, sent)),
+                Record::Lease(k, lease) => leases.push((k, lease)),
+                Record::Pass { verifier, signed } => {
+                    let verified = signed
+                        .verify()
+                        .ok()
+                        .filter(|v| v.body.worker == m.me.address && v.body.verifier == verifier);
+                    match verified {
+                        Some(v) => {
+                            m.own_passes.insert(v.body.verifier, (signed, v.body));
+                        }
+                        None => m.out.dirty(key),
+                    }
+                }
+                Record::Counter(name, value) => {
+                    m.counters.insert(name, value);
+                }
+            }
+        }
+        m.leases = Leases::restore(m.me.address, bids, leases);
+        m.prune_passes();
+        m
+    }
+
+    /// This node's identity.
+    pub fn identity(&self) -> &Identity {
+        &self.me
+    }
+
+    /// The engine's time: the latest `now` it was given.
+    pub fn now(&self) -> Timestamp {
+        self.now
+    }
+
+    fn advance(&mut self, now: Timestamp) {
+        // Time never goes back: an older `now` (a clock stepped back) counts as the last.
+        self.now = self.now.max(now);
+    }
+
+    /// Feeds one input.
+    pub fn handle(&mut self, now: Timestamp, input: Input) {
+        self.advance(now);
+        match input {
+            Input::Ad(heard) => self.on_ad(heard),
+            Input::Offer(heard) => self.on_offer(heard),
+            Input::Request { req, from, msg } => self.on_request(req, from, msg),
+            Input::Response { req, result } => self.on_response(req, result),
+            Input::Tick => self.on_tick(),
+        }
+    }
+
+    /// Carries out a command of the node's owner or requester.
+    pub fn command(&mut self, now: Timestamp, command: Command) -> Result<CommandOk, CommandError> {
+        self.advance(now);
+        match command {
+            Command::Submit { template, nonce } => self.submit(template, nonce, true),
+            Command::PublishOffer { template, nonce } => self.submit(template, nonce, false),
+            Command::KeepOwnAd(item, received_us) => {
+                let id = item.id;
+                match self.view.on_ad(
+                    Arc::new(item),
+                    Some(&self.me.address.clone()),
+                    self.now,
+                    received_us,
+                ) {
+                    Verdict::Accept(_) => {
+                        self.out.dirty(RecordKey::Ad(self.me.address));
+                        Ok(CommandOk::Kept(id))
+                    }
+                    other => Err(CommandError::NotKept(other)),
+                }
+            }
+            Command::KeepOwnOffer(item, received_us) => {
+                let (id, job) = (item.id, item.body.job_id);
+                match self.view.on_offer(
+                    Arc::new(item),
+                    Some(&self.me.address.clone()),
+                    self.now,
+                    received_us,
+                ) {
+                    Verdict::Accept(_) => {
+                        self.out.dirty(RecordKey::Offer(job));
+                        Ok(CommandOk::Kept(id))
+                    }
+                    other => Err(CommandError::NotKept(other)),
+                }
+            }
+            Command::Cancel(job) => self.cancel(job),
+            Command::ChallengeAnswered { verifier, seed } => {
+                if self.answered.len() == ANSWERED_KEPT {
+                    self.answered.pop_front();
+                }
+                self.answered.push_back((verifier, seed));
+                Ok(CommandOk::Done)
+            }
+            Command::ChallengePassed { worker, at } => {
+                self.local_passes.insert(worker, at);
+                Ok(CommandOk::Done)
+            }
+            Command::Delivered {
+                job,
+                task,
+                rank,
+                epoch,
+                outputs,
+            } => self.delivered(job, task, rank, epoch, &outputs),
+            Command::RankFailed {
+                job,
+                task,
+                rank,
+                epoch,
+                reason,
+            } => {
+                let now = self.now;
+                let j = self
+                    .jobs
+                    .get_mut(&job)
+                    .ok_or(CommandError::UnknownJob(job))?;
+                let actions = j.on_failed(task, rank, epoch, &reason, now)?;
+                self.job_changed(job, actions);
+                Ok(CommandOk::Done)
+            }
+        }
+    }
+
+    /// The next thing to do, in order; `None` when there is nothing (or when the rest waits
+    /// for [`Market::persisted`]).
+    pub fn poll_output(&mut self) -> Option<Output> {
+        if let Some(o) = self.out.pop_free() {
+            return Some(o);
+        }
+        if self.out.is_waiting() {
+            return None;
+        }
+        if self.out.has_dirty() {
+            let ops = self
+                .out
+                .take_dirty()
+                .into_iter()
+                .map(|key| match self.current(&key) {
+                    Some(record) => RecordOp::Put(record),
+                    None => RecordOp::Delete(key),
+                })
+                .collect();
+            return Some(self.out.persist(ops));
+        }
+        self.out.pop_fenced()
+    }
+
+    /// A batch from [`Output::Persist`] is durable: what waited for it may go.
+    pub fn persisted(&mut self, batch: BatchId) {
+        self.out.persisted(batch);
+    }
+
+    /// When to feed [`Input::Tick`] next.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        let jobs = self.wakes.first().map(|(t, _)| *t);
+        let view = self.view.poll_timeout();
+        let leases = self.leases.next_wake(KEEP_ENDED_MS);
+        [jobs, view, leases].into_iter().flatten().min()
+    }
+
+    /// The record under `key` as it is now, or `None` if it is gone.
+    fn current(&self, key: &RecordKey) -> Option<Record> {
+        match key {
+            RecordKey::Ad(node) => self.view.ad(node).map(|e| Record::Ad {
+                node: *node,
+                signed: e.signed().clone(),
+                received_us: e.received_at_us(),
+            }),
+            RecordKey::Offer(job) => self.view.offer(job).map(|e| Record::Offer {
+                job: *job,
+                signed: e.signed().clone(),
+                received_us: e.received_at_us(),
+            }),
+            RecordKey::Job(id) => self.jobs.get(id).map(|j| Record::Job(Box::new(j.clone()))),
+            RecordKey::SentBid(id) => self
+                .leases
+                .bids()
+                .find(|(b, _)| *b == id)
+                .map(|(b, s)| Record::SentBid(*b, s.clone())),
+            RecordKey::Lease(k) => self.leases.get(k).map(|l| Record::Lease(*k, l.clone())),
+            RecordKey::Pass(v) => self.own_passes.get(v).map(|(s, _)| Record::Pass {
+                verifier: *v,
+                signed: s.clone(),
+            }),
+            RecordKey::Counter(name) => self
+                .counters
+                .get(name)
+                .map(|v| Record::Counter(name.clone(), *v)),
+        }
+    }
+
+    /// The next value of counter `name`: above every value it gave before, at least `floor`.
+    fn next_seq(&mut self, name: &str, floor: u64) -> u64 {
+        let last = self.counters.get(name).copied().unwrap_or(0);
+        let next = last.saturating_add(1).max(floor);
+        self.counters.insert(name.to_string(), next);
+        self.out.dirty(RecordKey::Counter(name.to_string()));
+        next
+    }
+
+    fn send(&mut self, to: Address, msg: Outbound, purpose: Purpose) {
+        self.next_request += 1;
+        let req = OutboundId(self.next_request);
+        self.pending.insert(req, purpose);
+        self.out.fenced(Output::Send { req, to, msg });
+    }
+
+    fn event(&mut self, e: MarketEvent) {
+        self.out.free(Output::Event(e));
+    }
+
+    // ---- Gossip ----
+
+    fn validate(&mut self, origin: Origin, verdict: Verdict) {
+        self.out.free(Output::Validate { origin, verdict });
+    }
+
+    fn on_ad(&mut self, heard: Heard<CapabilityAd>) {
+        let node = heard.item.body.node;
+        let verdict = self.view.on_ad(
+            heard.item,
+            heard.source.as_ref(),
+            self.now,
+            heard.received_us,
+        );
+        if matches!(verdict, Verdict::Accept(_)) {
+            self.out.dirty(RecordKey::Ad(node));
+        }
+        self.validate(heard.origin, verdict);
+    }
+
+    fn on_offer(&mut self, heard: Heard<JobOffer>) {
+        let job = heard.item.body.job_id;
+        let item = heard.item.clone();
+        let verdict = self.view.on_offer(
+            heard.item,
+            heard.source.as_ref(),
+            self.now,
+            heard.received_us,
+        );
+        let accepted = matches!(verdict, Verdict::Accept(_));
+        self.validate(heard.origin, verdict);
+        if accepted {
+            self.out.dirty(RecordKey::Offer(job));
+            self.answer_offer(&item);
+        }
+    }
+
+    // ---- Directed ----
+
+    fn on_request(&mut self, req: InboundId, from: Address, msg: Inbound) {
+        let (what, outcome) = match msg {
+            Inbound::Bid(r) => ("bid", self.on_bid(from, r)),
+            Inbound::Decline(r) => ("decline", self.on_decline(from, r)),
+            Inbound::Award(r) => ("award", self.on_award(from, r)),
+            Inbound::Accept(r) => ("lease acceptance", self.on_accept(from, r)),
+            Inbound::Renewal(r) => ("renewal", self.on_renewal(from, r)),
+            Inbound::Cancel(r) => ("cancellation", self.on_cancel(from, r)),
+            Inbound::Pass(r) => ("challenge pass", self.on_pass(from, r)),
+        };
+        match outcome {
+            Ok(()) => self.out.fenced(Output::Reply {
+                req,
+                answer: Reply::Ack,
+            }),
+            Err(why) => {
+                if why.penalized() {
+                    self.out.free(Output::Penalize {
+                        peer: from,
+                        why: why.clone(),
+                    });
+                }
+                self.event(MarketEvent::Refused {
+                    from,
+                    what,
+                    why: why.clone(),
+                });
+                self.out.free(Output::Reply {
+                    req,
+                    answer: Reply::Refused(why),
+                });
+            }
+        }
+    }
+
+    /// The checks every directed message passes first: it comes from its signer, and its
+    /// signature holds (checked last, after the caller's cheap checks).
+    fn from_signer<T>(from: Address, r: &Received<T>) -> Result<(), Refusal> {
+        if r.signer != from {
+            return Err(Refusal::NotFromSigner {
+                from,
+                signer: r.signer,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_signature<T: cannabis_protocol::Message>(
+        &self,
+        r: &Received<T>,
+    ) -> Result<(), Refusal> {
+        self.config
+            .signatures
+            .check(r)
+            .map_err(Refusal::BadSignature)
+    }
+
+    fn on_response(&mut self, req: OutboundId, result: Result<Answer, String>) {
+        let Some(purpose) = self.pending.remove(&req) else {
+            return;
+        };
+        match (purpose, result) {
+            (
+                Purpose::Award {
+                    job,
+                    task,
+                    rank,
+                    epoch,
+                },
+                Ok(Answer::Refused(reason)),
+            ) => {
+                let why = format!("the worker refused the award: {reason}");
+                self.job_failed(job, task, rank, epoch, &why);
+            }
+            (Purpose::Renew(r), Ok(Answer::Ack)) => {
+                let now = self.now;
+                if let Some(j) = self.jobs.get_mut(&r.job_id)
+                    && j.on_renewed(r.task, r.rank, r.epoch, r.expires_at, now)
+                        .is_ok()
+                {
+                    self.job_changed(r.job_id, Vec::new());
+                }
+            }
+            (Purpose::Renew(r), Ok(Answer::Refused(reason))) => {
+                let why = format!("the worker refused the renewal: {reason}");
+                self.job_failed(r.job_id, r.task, r.rank, r.epoch, &why);
+            }
+            (Purpose::Award { .. } | Purpose::Renew(_), Err(_)) => {
+                // No answer: the lease timers decide.
+            }
+            (Purpose::Award { .. }, Ok(Answer::Ack)) => {}
+            (Purpose::Other(what, to), result) => {
+                self.event(MarketEvent::Answered { what, to, result });
+            }
+        }
+    }
+
+    // ---- Time ----
+
+    fn on_tick(&mut self) {
+        let now = self.now;
+        let expired = self.view.expire(now);
+        if !expired.ads.is_empty() || !expired.offers.is_empty() {
+            for node in &expired.ads {
+                self.out.dirty(RecordKey::Ad(*node));
+            }
+            for job in &expired.offers {
+                self.out.dirty(RecordKey::Offer(*job));
+                self.bare.remove(job);
+                self.declined.remove(job);
+            }
+            self.event(MarketEvent::Expired {
+                ads: expired.ads.len(),
+                offers: expired.offers,
+            });
+        }
+        // Each due job is ticked once per tick: a job that wants waking again at once is
+        // woken by the next tick, never in a loop here.
+        let due: Vec<Uuid> = self
+            .wakes
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .map(|(_, job)| *job)
+            .collect();
+        for job in due {
+            self.tick_job(job);
+        }
+        self.tick_leases();
+    }
+
+    // ---- Queries ----
+
+    /// The live view.
+    pub fn view(&self) -> &View {
+        &self.view
+    }
+
+    /// The jobs this node published.
+    pub fn jobs(&self) -> impl Iterator<Item = &Job> {
+        self.jobs.values()
+    }
+
+    /// One job.
+    pub fn job(&self, id: &Uuid) -> Option<&Job> {
+        self.jobs.get(id)
+    }
+
+    /// The leases this node holds (or held lately) as a worker.
+    pub fn leases(&self) -> &Leases {
+        &self.leases
+    }
+
+    /// What matching needs besides the ads: now, this node, the checks it made.
+    pub fn context(&self) -> Context<'_> {
+        Context {
+            now: self.now,
+            me: Some(self.me.address),
+            local_passes: &self.local_passes,
+        }
+    }
+
+    /// When each node last passed a challenge this node set.
+    pub fn local_passes(&self) -> &BTreeMap<Address, Timestamp> {
+        &self.local_passes
+    }
+
+    /// The ads of the nodes that could work for this node: every known ad but its own.
+    pub fn worker_ads(&self) -> impl Iterator<Item = &CapabilityAd> {
+        let me = self.me.address;
+        self.view
+            .ads()
+            .map(|e| e.ad())
+            .filter(move |ad| ad.node != me)
+    }
+
+    /// How each task of a template matches the ads this node knows (`job submit --dry-run`).
+    pub fn explain(&self, template: &OfferTemplate) -> Vec<(String, Explanation)> {
+        let ctx = self.context();
+        template
+            .tasks
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    matching::explain(t, self.worker_ads(), &ctx),
+                )
+            })
+            .collect()
+    }
+
+    /// Bids received for this node's offers (jobs and bare offers), not re-verified: each
+    /// was checked on receipt.
+    pub fn received_bids(&self) -> Vec<(Bid, Digest)> {
+        let jobs = self
+            .jobs
+            .values()
+            .flat_map(|j| j.tasks().iter().flat_map(|t| t.bids()))
+            .map(|c| (c.bid.clone(), c.id));
+        let bare = self.bare.values().flat_map(|b| b.bids.values().cloned());
+        jobs.chain(bare).collect()
+    }
+
+    /// The passes this node's next ad carries: those sized for at least the cores it claims.
+    pub fn passes_for_ad(&self, cpu_cores: u32) -> Vec<Signed<ChallengePass>> {
+        self.own_passes
+            .values()
+            .filter(|(_, p)| p.claimed_cores >= cpu_cores)
+            .map(|(s, _)| s.clone())
+            .collect()
+    }
+
+    // ---- Challenge passes ----
+
+    fn on_pass(&mut self, from: Address, r: Received<ChallengePass>) -> Result<(), Refusal> {
+        Self::from_signer(from, &r)?;
+        let pass = &r.body;
+        if pass.worker != self.me.address {
+            return Err(Refusal::PassForOther);
+        }
+        if !self.answered.contains(&(from, pass.seed)) {
+            return Err(Refusal::PassUnasked);
+        }
+        self.check_signature(&r)?;
+        self.answered.retain(|a| a != &(from, pass.seed));
+        let verifier = pass.verifier;
+        self.own_passes.insert(verifier, (r.signed, r.body));
+        self.out.dirty(RecordKey::Pass(verifier));
+        self.prune_passes();
+        self.event(MarketEvent::PassKept { verifier });
+        Ok(())
+    }
+
+    /// Keeps the newest [`MAX_AD_PASSES`] passes.
+    fn prune_passes(&mut self) {
+        while self.own_passes.len() > MAX_AD_PASSES {
+            let oldest = self
+                .own_passes
+                .iter()
+                .min_by_key(|(_, (_, p))| p.passed_at)
+                .map(|(v, _)| *v);
+            let Some(oldest) = oldest else { break };
+            self.own_passes.remove(&oldest);
+            self.out.dirty(RecordKey::Pass(oldest));
+        }
+    }
+}

@@ -1,0 +1,459 @@
+//! The requester's side of the engine: publishing offers, taking bids (admission is checked
+//! here and only here), running jobs, widening calls that drew too few bids.
+
+use cannabis_protocol::{
+    Amount, Bid, Decline, FOUNDER_FEE_BPS, FeeTerms, JobOffer, LeaseAccept, Message as _,
+    NamedDigest, Received, Uuid, draw, message_id,
+};
+
+use super::{
+    Bare, CommandError, CommandOk, Market, MarketEvent, Outbound, Output, Publish, Purpose,
+    RecordKey,
+};
+use crate::fanin;
+use crate::job::{Action, Bidding, Job, JobState};
+use crate::matching;
+use crate::placement::Class;
+use crate::{OfferTemplate, Refusal};
+
+impl Market {
+    /// Makes the offer of a template (and its job, when `run_job`), and asks for it to be
+    /// published once the job is durable.
+    pub(super) fn submit(
+        &mut self,
+        t: OfferTemplate,
+        nonce: [u8; 16],
+        run_job: bool,
+    ) -> Result<CommandOk, CommandError> {
+        let now = self.now;
+        let me = self.me.address;
+        let job_id = t.job_id.unwrap_or_else(|| Uuid::from_random(nonce));
+        if self.jobs.contains_key(&job_id)
+            || self.bare.contains_key(&job_id)
+            || self.view.offer(&job_id).is_some()
+        {
+            return Err(CommandError::JobIdTaken(job_id));
+        }
+        let budget = Amount::sum(t.tasks.iter().map(|t| &t.budget))?;
+        let ctx = self.context();
+        let calls = t
+            .tasks
+            .iter()
+            .map(|task| {
+                fanin::size_call(
+                    &self.config.fanin,
+                    &self.view,
+                    &me,
+                    &job_id,
+                    task,
+                    t.deadline_ms,
+                    &ctx,
+                )
+            })
+            .collect();
+        let mut offer = JobOffer {
+            job_id,
+            requester: me,
+            seq: 0,
+            issued_at: now,
+            expires_at: now.plus_ms(t.ttl_ms),
+            deadline: now.plus_ms(t.deadline_ms),
+            delivery: self.me.delivery,
+            budget,
+            fee: FeeTerms {
+                rate_bps: FOUNDER_FEE_BPS,
+                recipient: t.fee_recipient.unwrap_or(me),
+            },
+            review_window_ms: t.review_window_ms,
+            acceptance: t.acceptance.clone(),
+            tasks: t.tasks.clone(),
+            calls,
+        };
+        offer.validate()?;
+        if t.ttl_ms > self.config.view.max_offer_ttl_ms {
+            return Err(CommandError::NotKept(crate::Verdict::Reject(
+                crate::RejectReason::TooLongLived {
+                    expires_at: offer.expires_at,
+                },
+            )));
+        }
+        offer.seq = self.next_seq("offer", now.0);
+        let id = message_id(&offer);
+        let keep = offer
+            .tasks
+            .iter()
+            .map(|task| self.config.fanin.keep(task.group_size))
+            .max()
+            .unwrap_or(1);
+        if run_job {
+            let name = t
+                .name
+                .clone()
+                .or_else(|| t.tasks.first().map(|t| t.name.clone()))
+                .unwrap_or_default();
+            let bidding = Bidding {
+                early: t.early,
+                keep,
+            };
+            let job = Job::new(
+                offer.clone(),
+                id,
+                name,
+                self.config.leases.clone(),
+                bidding,
+                now,
+            );
+            self.jobs.insert(job_id, job);
+            self.out.dirty(RecordKey::Job(job_id));
+            self.rewake(job_id);
+        } else {
+            self.bare.insert(
+                job_id,
+                Bare {
+                    offer: id,
+                    keep,
+                    bids: Default::default(),
+                },
+            );
+        }
+        self.out.fenced(Output::Publish(Publish::Offer(offer)));
+        Ok(CommandOk::Submitted {
+            job: job_id,
+            offer: id,
+        })
+    }
+
+    pub(super) fn cancel(&mut self, job: Uuid) -> Result<CommandOk, CommandError> {
+        let now = self.now;
+        let j = self
+            .jobs
+            .get_mut(&job)
+            .ok_or(CommandError::UnknownJob(job))?;
+        if j.state() != JobState::Open {
+            return Err(CommandError::JobOver {
+                job,
+                state: j.state(),
+            });
+        }
+        let actions = j.cancel(now);
+        self.job_changed(job, actions);
+        Ok(CommandOk::Done)
+    }
+
+    pub(super) fn delivered(
+        &mut self,
+        job: Uuid,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+        outputs: &[NamedDigest],
+    ) -> Result<CommandOk, CommandError> {
+        let now = self.now;
+        let j = self
+            .jobs
+            .get_mut(&job)
+            .ok_or(CommandError::UnknownJob(job))?;
+        let actions = j.on_delivered(task, rank, epoch, outputs, now)?;
+        self.job_changed(job, actions);
+        Ok(CommandOk::Done)
+    }
+
+    /// A bid: cheap checks first (the job, the offer version, the quote's life, the task,
+    /// the price, the draw), then the signature, then the worker's ad. The one place where
+    /// bid admission is decided.
+    pub(super) fn on_bid(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: Received<Bid>,
+    ) -> Result<(), Refusal> {
+        Self::from_signer(from, &r)?;
+        let now = self.now;
+        let bid = &r.body;
+        if self.bare.contains_key(&bid.job_id) {
+            return self.on_bare_bid(r);
+        }
+        let Some(job) = self.jobs.get(&bid.job_id) else {
+            return Err(match self.view.offer(&bid.job_id) {
+                Some(_) => Refusal::NotMine(bid.job_id),
+                None => Refusal::UnknownJob(bid.job_id),
+            });
+        };
+        job.admit_bid(bid, now)?;
+        let call = job.offer().calls[bid.task as usize];
+        if !draw::drawn(&call, &bid.job_id, bid.task, &bid.worker, bid.price) {
+            return Err(Refusal::NotDrawn);
+        }
+        self.check_signature(&r)?;
+        let spec = &job.offer().tasks[bid.task as usize];
+        let ad = self.view.ad(&bid.worker).ok_or(Refusal::NoAd)?.ad();
+        let unmet = matching::unmet(spec, ad, &self.context());
+        if !unmet.is_empty() {
+            return Err(Refusal::Unmet(unmet));
+        }
+        let class = Class::of(spec, ad);
+        let (job_id, task, worker, price) = (bid.job_id, bid.task, bid.worker, bid.price);
+        let actions = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(Refusal::UnknownJob(job_id))?
+            .on_bid(r.body, r.id, class, now)?;
+        self.event(MarketEvent::BidTaken {
+            job: job_id,
+            task,
+            worker,
+            price,
+        });
+        self.job_changed(job_id, actions);
+        Ok(())
+    }
+
+    /// A bid for an offer published without a job: checked the same way, kept to list.
+    fn on_bare_bid(&mut self, r: Received<Bid>) -> Result<(), Refusal> {
+        let now = self.now;
+        let bid = &r.body;
+        let offer = self
+            .view
+            .offer(&bid.job_id)
+            .map(|e| e.offer())
+            .ok_or(Refusal::UnknownJob(bid.job_id))?;
+        let bare = self
+            .bare
+            .get(&bid.job_id)
+            .ok_or(Refusal::UnknownJob(bid.job_id))?;
+        if bid.offer != bare.offer {
+            return Err(Refusal::OtherVersion);
+        }
+        if bid.valid_until <= now {
+            return Err(Refusal::BidExpired);
+        }
+        let no_task = Refusal::NoSuchTask {
+            job: bid.job_id,
+            task: bid.task,
+        };
+        let spec = offer.tasks.get(bid.task as usize).ok_or(no_task)?;
+        let share = Amount(spec.budget.0 / u64::from(spec.group_size.max(1)));
+        if bid.price > share {
+            return Err(Refusal::AboveShare {
+                price: bid.price,
+                share,
+            });
+        }
+        let call = offer.calls[bid.task as usize];
+        if !draw::drawn(&call, &bid.job_id, bid.task, &bid.worker, bid.price) {
+            return Err(Refusal::NotDrawn);
+        }
+        let key = (bid.task, bid.worker);
+        if let Some((held, _)) = bare.bids.get(&key)
+            && held.issued_at >= bid.issued_at
+        {
+            return Err(Refusal::DuplicateBid);
+        }
+        if !bare.bids.contains_key(&key) && bare.bids.len() >= bare.keep as usize {
+            return Err(Refusal::Outbid {
+                task: bid.task,
+                kept: bare.bids.len(),
+            });
+        }
+        self.check_signature(&r)?;
+        let (job, task, worker, price) = (bid.job_id, bid.task, bid.worker, bid.price);
+        if let Some(bare) = self.bare.get_mut(&job) {
+            bare.bids.insert(key, (r.body, r.id));
+        }
+        self.event(MarketEvent::BidTaken {
+            job,
+            task,
+            worker,
+            price,
+        });
+        Ok(())
+    }
+
+    /// A decline: for a job of this node, from a worker the call drew.
+    pub(super) fn on_decline(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: Received<Decline>,
+    ) -> Result<(), Refusal> {
+        Self::from_signer(from, &r)?;
+        let d = &r.body;
+        if self.bare.contains_key(&d.job_id) {
+            // Nobody places a bare offer: a decline changes nothing.
+            return self.check_signature(&r);
+        }
+        let job = self
+            .jobs
+            .get(&d.job_id)
+            .ok_or(Refusal::UnknownJob(d.job_id))?;
+        let call = job
+            .offer()
+            .calls
+            .get(d.task as usize)
+            .copied()
+            .ok_or(Refusal::NoSuchTask {
+                job: d.job_id,
+                task: d.task,
+            })?;
+        if !draw::drawn(&call, &d.job_id, d.task, &d.worker, call.ref_price) {
+            return Err(Refusal::NotDrawn);
+        }
+        self.check_signature(&r)?;
+        let now = self.now;
+        let job_id = d.job_id;
+        self.jobs
+            .get_mut(&job_id)
+            .ok_or(Refusal::UnknownJob(job_id))?
+            .on_decline(r.body, now)?;
+        self.job_changed(job_id, Vec::new());
+        Ok(())
+    }
+
+    /// A worker's countersignature of an award of this node.
+    pub(super) fn on_accept(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: Received<LeaseAccept>,
+    ) -> Result<(), Refusal> {
+        Self::from_signer(from, &r)?;
+        let job_id = r.body.job_id;
+        if !self.jobs.contains_key(&job_id) {
+            return Err(Refusal::UnknownJob(job_id));
+        }
+        self.check_signature(&r)?;
+        let now = self.now;
+        let task = r.body.task;
+        let job = self
+            .jobs
+            .get_mut(&job_id)
+            .ok_or(Refusal::UnknownJob(job_id))?;
+        let actions = job.on_accept(&r.body, now)?;
+        if job.tasks()[task as usize].status() == &crate::job::TaskStatus::Running {
+            self.event(MarketEvent::TaskLeased { job: job_id, task });
+        }
+        self.job_changed(job_id, actions);
+        Ok(())
+    }
+
+    /// An assignment failed (its worker refused an award or a renewal).
+    pub(super) fn job_failed(&mut self, job: Uuid, task: u32, rank: u32, epoch: u64, why: &str) {
+        let now = self.now;
+        if let Some(j) = self.jobs.get_mut(&job)
+            && let Ok(actions) = j.on_failed(task, rank, epoch, why, now)
+        {
+            self.job_changed(job, actions);
+        }
+    }
+
+    pub(super) fn tick_job(&mut self, job: Uuid) {
+        let now = self.now;
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        let before = (j.state(), j.history().len());
+        let actions = j.tick(now);
+        let after = (j.state(), j.history().len());
+        if !actions.is_empty() || before != after || self.wants_widening(job) {
+            self.job_changed(job, actions);
+        } else {
+            self.rewake(job);
+        }
+    }
+
+    fn wants_widening(&self, job: Uuid) -> bool {
+        self.jobs
+            .get(&job)
+            .is_some_and(|j| (0..j.tasks().len()).any(|i| j.wants_wider_call(i, self.now)))
+    }
+
+    /// A job changed: it is written out, and what it asked for is sent once it is durable.
+    pub(super) fn job_changed(&mut self, job: Uuid, actions: Vec<Action>) {
+        self.out.dirty(RecordKey::Job(job));
+        for action in actions {
+            match action {
+                Action::Award(award) => {
+                    self.event(MarketEvent::Awarded {
+                        job,
+                        task: award.task,
+                        rank: award.rank,
+                        epoch: award.epoch,
+                        worker: award.worker,
+                    });
+                    let purpose = Purpose::Award {
+                        job,
+                        task: award.task,
+                        rank: award.rank,
+                        epoch: award.epoch,
+                    };
+                    self.send(award.worker, Outbound::Award(award), purpose);
+                }
+                Action::Renew(renewal) => {
+                    let to = renewal.worker;
+                    self.send(
+                        to,
+                        Outbound::Renewal(renewal.clone()),
+                        Purpose::Renew(renewal),
+                    );
+                }
+                Action::Cancel { to, cancel } => {
+                    for worker in to {
+                        let purpose = Purpose::Other("cancellation", worker);
+                        self.send(worker, Outbound::Cancel(cancel.clone()), purpose);
+                    }
+                }
+            }
+        }
+        self.widen(job);
+        let was_open = self.wake_of.contains_key(&job);
+        self.rewake(job);
+        if let Some(j) = self.jobs.get(&job)
+            && was_open
+            && j.state() != JobState::Open
+        {
+            self.event(MarketEvent::JobEnded {
+                job,
+                state: j.state(),
+            });
+        }
+    }
+
+    /// Publishes a new version of a job's offer for the tasks whose window ended with too
+    /// few bids: better odds, a new bid window, the same deadline.
+    fn widen(&mut self, job: Uuid) {
+        let now = self.now;
+        let factor = self.config.fanin.widen_factor;
+        let Some(j) = self.jobs.get(&job) else {
+            return;
+        };
+        let wide: Vec<usize> = (0..j.tasks().len())
+            .filter(|&i| j.wants_wider_call(i, now))
+            .collect();
+        if wide.is_empty() {
+            return;
+        }
+        let mut offer = j.offer().clone();
+        for i in wide {
+            offer.calls[i] = fanin::widened(&offer.calls[i], factor);
+        }
+        let window = offer.expires_at.ms_since(offer.issued_at);
+        offer.seq = self.next_seq("offer", now.0);
+        offer.issued_at = now;
+        offer.expires_at = now.plus_ms(window);
+        let id = message_id(&offer);
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.republished(offer.clone(), id, now);
+        }
+        self.out.dirty(RecordKey::Job(job));
+        self.out.fenced(Output::Publish(Publish::Offer(offer)));
+        self.event(MarketEvent::Widened { job });
+    }
+
+    /// Files the job under the time it next needs a tick.
+    pub(super) fn rewake(&mut self, job: Uuid) {
+        if let Some(t) = self.wake_of.remove(&job) {
+            self.wakes.remove(&(t, job));
+        }
+        if let Some(t) = self.jobs.get(&job).and_then(Job::next_wake) {
+            self.wake_of.insert(job, t);
+            self.wakes.insert((t, job));
+        }
+    }
+}

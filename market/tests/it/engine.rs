@@ -1,0 +1,427 @@
+//! The engine's own rules: bids per offer stay bounded however large the network, a worker
+//! that bids without being drawn is refused and penalized, early placement, widening a
+//! call that drew too few bids, and the fence (nothing commits before it is durable).
+
+use std::sync::Arc;
+
+use cannabis_market::fanin::{self, FaninConfig};
+use cannabis_market::job::{Early, TaskStatus};
+use cannabis_market::matching::Context;
+use cannabis_market::quote;
+use cannabis_market::testkit::net::{Envelope, Net, Node};
+use cannabis_market::testkit::{self, Machine};
+use cannabis_market::{
+    Command, CommandOk, Inbound, Market, MarketEvent, OfferTemplate, OutboundId, Output, Publish,
+    Refusal, Signatures, Verdict, View, ViewConfig,
+};
+use cannabis_protocol::draw::{self, BidCall};
+use cannabis_protocol::*;
+use proptest::prelude::*;
+
+use crate::lifecycle::{T0, WINDOW, config, identity};
+
+/// SplitMix64: the same numbers on every platform and version.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// The bids an offer of `task` draws from `n` workers with random prices and shapes (a
+/// third lack the cores), as a requester holding every ad sizes the call: how many bid,
+/// and the cheapest drawn price against the cheapest of all.
+fn draw_in_a_network(n: usize, seed: u64, task: &TaskSpec) -> (usize, u32, f64) {
+    let mut rng = Rng(seed);
+    let mut view = View::new(
+        ViewConfig {
+            max_ads: n + 1,
+            ..ViewConfig::default()
+        },
+        Signatures::Assume,
+    );
+    let ads: Vec<CapabilityAd> = (0..n)
+        .map(|i| {
+            let m = Machine {
+                cores: [2, 4, 8, 16][(rng.next() % 4) as usize],
+                cpu_core_hour: 5 + rng.next() % 20,
+                ..Machine::default()
+            };
+            let a = testkit::keys(seed.wrapping_mul(1_000_003) + i as u64 + 1).address();
+            testkit::ad(a, &m, T0)
+        })
+        .collect();
+    for ad in &ads {
+        let item = Received::assumed(ad.clone(), ad.node);
+        assert!(matches!(
+            view.on_ad(Arc::new(item), None, T0, 0),
+            Verdict::Accept(_)
+        ));
+    }
+    let me = testkit::keys(0).address();
+    let job = Uuid::from_random([seed as u8; 16]);
+    let ctx = Context {
+        now: T0,
+        ..Context::default()
+    };
+    let config = FaninConfig::default();
+    let call = fanin::size_call(&config, &view, &me, &job, task, 3_600_000, &ctx);
+    let mut offer = testkit::offer(me, 1, vec![task.clone()], T0, WINDOW, 3_600_000);
+    offer.job_id = job;
+    offer.calls = vec![call];
+    let id = message_id(&offer);
+    let mut bids = 0;
+    let mut cheapest_drawn = u64::MAX;
+    let mut cheapest = u64::MAX;
+    for ad in &ads {
+        if let Some(p) = quote::price(&ad.prices, ad, task, 3_600_000)
+            && cannabis_market::matching::unmet(task, ad, &ctx).is_empty()
+        {
+            cheapest = cheapest.min(p.0);
+        }
+        let policy = quote::WorkerPolicy::default();
+        if let Some(quote::Answer::Bid(b)) = quote::answer(&policy, ad, &offer, id, 0, &ctx) {
+            bids += 1;
+            cheapest_drawn = cheapest_drawn.min(b.price.0);
+        }
+    }
+    let ratio = cheapest_drawn as f64 / cheapest as f64;
+    (bids, call.target, ratio)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    /// Bids per offer stay within a small multiple of the target at any network size.
+    #[test]
+    fn bids_per_offer_stay_bounded_at_any_size(
+        exp in 1.0f64..5.0,
+        seed in any::<u64>(),
+        group in prop_oneof![Just(1u32), Just(4u32)],
+    ) {
+        let n = 10f64.powf(exp) as usize;
+        let task = testkit::task("t", 4, 0, 0, group, 10_000_000);
+        let (bids, target, ratio) = draw_in_a_network(n, seed, &task);
+        let matching = n * 2 / 3;
+        prop_assert!(bids <= 4 * target as usize, "{bids} bids for a target of {target} among {n} workers");
+        if matching >= 4 * target as usize {
+            prop_assert!(bids >= target as usize / 4, "{bids} bids for a target of {target} among {n} workers");
+        }
+        prop_assert!(ratio < 2.0, "the cheapest drawn bid is {ratio:.2}x the cheapest of all");
+    }
+}
+
+#[test]
+fn a_hundred_thousand_workers_draw_a_handful_of_bids() {
+    let task = testkit::task("t", 4, 0, 0, 1, 10_000_000);
+    let (bids, target, ratio) = draw_in_a_network(100_000, 42, &task);
+    assert!(
+        (2..=4 * target as usize).contains(&bids),
+        "{bids} bids, target {target}"
+    );
+    assert!(
+        ratio < 1.5,
+        "cheapest drawn is {ratio:.2}x the cheapest of all"
+    );
+}
+
+/// A requester and `n` workers, the job submitted but the offer not yet delivered.
+fn world(n: u64, template: OfferTemplate) -> (Net, Uuid) {
+    let nodes = (0..=n)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = Net::new(nodes);
+    for i in 1..=n as usize {
+        let a = net.nodes[i].address();
+        let m = Machine {
+            cpu_core_hour: 10 + i as u64,
+            ..Machine::default()
+        };
+        let env = net.nodes[i].publish_ad(T0, testkit::ad(a, &m, T0));
+        net.queue.extend(env);
+    }
+    net.settle(T0);
+    let ok = net.nodes[0]
+        .market
+        .command(
+            T0,
+            Command::Submit {
+                template,
+                nonce: [3; 16],
+            },
+        )
+        .unwrap();
+    let CommandOk::Submitted { job, .. } = ok else {
+        panic!("{ok:?}")
+    };
+    net.drain(0, T0);
+    (net, job)
+}
+
+#[test]
+fn a_worker_that_bids_without_being_drawn_is_refused_and_penalized() {
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let (mut net, job) = world(120, testkit::template(vec![task], WINDOW, 3_600_000));
+    net.settle(T0);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    let bids = j.tasks()[0].bid_count();
+    let call = j.offer().calls[0];
+    assert!(call.odds_ppb < draw::ODDS_ONE, "{call:?}");
+    assert!(
+        bids < 40,
+        "{bids} of 120 workers bid for a target of {}",
+        call.target
+    );
+    // A worker the call did not draw bids anyway.
+    let offer = j.offer().clone();
+    let offer_id = j.offer_id();
+    let cheat = (1..=120u64)
+        .map(testkit::keys)
+        .find(|k| !draw::drawn(&call, &job, 0, &k.address(), Amount(1)))
+        .expect("an undrawn worker");
+    let bid = Bid {
+        job_id: job,
+        task: 0,
+        offer: offer_id,
+        worker: cheat.address(),
+        price: Amount(1),
+        earliest_start: T0,
+        issued_at: T0.plus_ms(1),
+        valid_until: offer.deadline,
+    };
+    net.queue.push(Envelope::Request {
+        from: cheat.address(),
+        to: net.nodes[0].address(),
+        req: OutboundId(1),
+        msg: Box::new(Inbound::Bid(Signed::sign(&cheat, &bid).open().unwrap())),
+    });
+    net.settle(T0);
+    assert_eq!(net.nodes[0].refusals.last(), Some(&Refusal::NotDrawn));
+    assert_eq!(
+        net.nodes[0].penalized.last().map(|p| p.0),
+        Some(cheat.address())
+    );
+    assert_eq!(
+        net.nodes[0].market.job(&job).unwrap().tasks()[0].bid_count(),
+        bids,
+        "the bid was not kept"
+    );
+}
+
+#[test]
+fn a_price_cap_places_before_the_window_ends() {
+    let task = testkit::task("t", 1, 0, 0, 2, 1_000_000);
+    let mut template = testkit::template(vec![task], 60_000, 3_600_000);
+    // Workers 1..=4 price 11..14 per core-hour: two are at or under 12.
+    let cap = quote::price(
+        &testkit::ad(
+            testkit::keys(2).address(),
+            &Machine {
+                cpu_core_hour: 12,
+                ..Machine::default()
+            },
+            T0,
+        )
+        .prices,
+        &testkit::ad(testkit::keys(2).address(), &Machine::default(), T0),
+        &template.tasks[0],
+        3_600_000,
+    )
+    .unwrap();
+    template.early = Some(Early::PriceAtMost(cap));
+    let (mut net, job) = world(4, template);
+    net.settle(T0);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_ne!(j.tasks()[0].status(), &TaskStatus::Bidding);
+    let placed = &j.tasks()[0].ranks();
+    assert_eq!(placed.len(), 2);
+    assert!(placed.iter().all(|a| a.price <= cap));
+    assert_eq!(j.tasks()[0].status(), &TaskStatus::Running);
+    assert!(
+        T0 < j.offer().expires_at,
+        "placed well before the window ends"
+    );
+}
+
+#[test]
+fn first_bids_place_as_soon_as_they_are_in() {
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let mut template = testkit::template(vec![task], 60_000, 3_600_000);
+    template.early = Some(Early::FirstBids(3));
+    let (mut net, job) = world(5, template);
+    // Deliver the offer, then only three bids.
+    net.deliver(0, T0, false);
+    let mut taken = 0;
+    while taken < 3 {
+        let at = net
+            .queue
+            .iter()
+            .position(
+                |e| matches!(e, Envelope::Request { msg, .. } if matches!(**msg, Inbound::Bid(_))),
+            )
+            .unwrap();
+        net.deliver(at, T0, false);
+        taken += 1;
+        let placed = net.nodes[0].market.job(&job).unwrap().tasks()[0].attempts();
+        assert_eq!(placed, u32::from(taken == 3), "placed after bid {taken}");
+    }
+}
+
+#[test]
+fn a_call_that_draws_too_few_bids_is_widened() {
+    // Many workers, but only four have the 16 cores the task needs: the call, sized on a
+    // small sample where they are rare, draws too few of them; the window ends and the
+    // offer goes out again with better odds until the task is placed.
+    let mut requester = config();
+    requester.fanin = FaninConfig {
+        min_target: 1,
+        per_rank: 1,
+        sample: 10,
+        ..FaninConfig::default()
+    };
+    let mut nodes = vec![Node::new(
+        requester,
+        identity(0),
+        Some(testkit::keys(0)),
+        T0,
+    )];
+    nodes
+        .extend((1..=200u64).map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0)));
+    let mut net = Net::new(nodes);
+    for i in 1..=200usize {
+        let a = net.nodes[i].address();
+        let m = Machine {
+            cores: if i % 50 == 0 { 16 } else { 4 },
+            ..Machine::default()
+        };
+        let env = net.nodes[i].publish_ad(T0, testkit::ad(a, &m, T0));
+        net.queue.extend(env);
+    }
+    net.settle(T0);
+    let task = testkit::task("big", 16, 0, 0, 1, 1_000_000);
+    // A job id whose first call (odds 1/20 at these sizes) draws none of the four.
+    let big: Vec<Address> = (1..=4).map(|k| testkit::keys(k * 50).address()).collect();
+    let first_odds = BidCall {
+        target: 1,
+        odds_ppb: 50_000_000,
+        ref_price: Amount(0),
+    };
+    let nonce = (0..=255u8)
+        .find(|n| {
+            let id = Uuid::from_random([*n; 16]);
+            big.iter()
+                .all(|w| !draw::drawn(&first_odds, &id, 0, w, Amount(1)))
+        })
+        .unwrap();
+    let CommandOk::Submitted { job, .. } = net.nodes[0]
+        .market
+        .command(
+            T0,
+            Command::Submit {
+                template: testkit::template(vec![task], WINDOW, 3_600_000),
+                nonce: [nonce; 16],
+            },
+        )
+        .unwrap()
+    else {
+        panic!()
+    };
+    net.drain(0, T0);
+    net.settle(T0);
+    let first = net.nodes[0].market.job(&job).unwrap().offer().calls[0];
+    let mut now = T0;
+    for _ in 0..12 {
+        let j = net.nodes[0].market.job(&job).unwrap();
+        if j.tasks()[0].status() != &TaskStatus::Bidding {
+            break;
+        }
+        now = now.plus_ms(WINDOW);
+        net.tick(now);
+        net.settle(now);
+    }
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].status(),
+        &TaskStatus::Running,
+        "{:?}",
+        j.history()
+    );
+    let widened = net.nodes[0]
+        .events
+        .iter()
+        .filter(|e| matches!(e, MarketEvent::Widened { .. }))
+        .count();
+    assert!(widened >= 1, "the first call ({first:?}) drew enough");
+    assert!(j.offer().calls[0].odds_ppb > first.odds_ppb);
+    assert!(j.offer().seq > 1, "a new version of the offer");
+    // Only workers with 16 cores bid.
+    assert!(j.tasks()[0].bids().all(|c| big.contains(&c.bid.worker)));
+}
+
+#[test]
+fn nothing_that_commits_leaves_before_it_is_durable() {
+    let mut m = Market::new(config(), identity(0), T0);
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000);
+    let ok = m
+        .command(
+            T0,
+            Command::Submit {
+                template: testkit::template(vec![task], WINDOW, 3_600_000),
+                nonce: [1; 16],
+            },
+        )
+        .unwrap();
+    let CommandOk::Submitted { job, .. } = ok else {
+        panic!()
+    };
+    let Some(Output::Persist { batch, ops }) = m.poll_output() else {
+        panic!("the job is persisted first")
+    };
+    assert!(ops.iter().any(|op| matches!(
+        op,
+        cannabis_market::RecordOp::Put(cannabis_market::Record::Job(j)) if j.id() == job
+    )));
+    assert!(m.poll_output().is_none(), "the offer waits for the write");
+    m.persisted(batch);
+    assert!(matches!(
+        m.poll_output(),
+        Some(Output::Publish(Publish::Offer(o))) if o.job_id == job
+    ));
+    assert!(m.poll_output().is_none());
+    // Time never goes back, and the next wake is not in the past.
+    m.handle(Timestamp(T0.0 - 5_000), cannabis_market::Input::Tick);
+    assert_eq!(m.now(), T0);
+    assert!(m.poll_timeout().is_some_and(|t| t > T0));
+}
+
+#[test]
+fn offers_carry_a_call_per_task_and_any_node_checks_it() {
+    let call = BidCall {
+        target: 8,
+        odds_ppb: 1_000,
+        ref_price: Amount(100),
+    };
+    let mut offer = testkit::offer(
+        testkit::keys(0).address(),
+        1,
+        vec![testkit::task("t", 1, 0, 0, 1, 10)],
+        T0,
+        WINDOW,
+        3_600_000,
+    );
+    offer.calls = vec![call, call];
+    let err = Signed::sign(&testkit::keys(0), &offer)
+        .verify()
+        .unwrap_err();
+    assert!(err.to_string().contains("calls"), "{err}");
+    offer.calls = vec![BidCall {
+        odds_ppb: 0,
+        ..call
+    }];
+    assert!(Signed::sign(&testkit::keys(0), &offer).verify().is_err());
+}

@@ -1,0 +1,6 @@
+//! The market's integration tests, one binary: the engines of requester and workers
+//! together (`lifecycle`), and the engine's own rules: bounded fan-in, early placement,
+//! the fence, widening (`engine`).
+
+mod engine;
+mod lifecycle;
