@@ -203,3 +203,30 @@ pub fn template(tasks: Vec<TaskSpec>, window_ms: u64, deadline_ms: u64) -> crate
         early: None,
     }
 }
+
+/// SplitMix64 (Steele, Lea and Flood, 2014), written out: a simulation seed must give the
+/// same run after any dependency upgrade, which `rand`'s seeded generators do not promise.
+#[derive(Clone, Debug)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next number.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// True `p` percent of the time.
+    pub fn percent(&mut self, p: u64) -> bool {
+        self.below(100) < p
+    }
+}

@@ -320,18 +320,64 @@ pub(crate) enum TestnetCommand {
         /// Simulated nodes.
         #[arg(long, default_value_t = 500)]
         nodes: usize,
-        /// Offers published.
+        /// Offers published (with --rate: offers per second of virtual time instead).
         #[arg(long, default_value_t = 200)]
         offers: usize,
+        /// Publish this many offers per second of virtual time, for --duration.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// How long to publish at --rate, in seconds of virtual time.
+        #[arg(long, default_value_t = 10)]
+        duration: u64,
+        /// What is offered: `mixed` (task graphs, groups, GPUs, long runs, lost messages,
+        /// crashes) or `capacity` (single tasks placed early, short runs).
+        #[arg(long, value_enum, default_value_t = SimWorkload::Mixed)]
+        workload: SimWorkload,
+        /// Charge each node the CPU time the real node spends per message, from
+        /// `--costs` or the calibration shipped with this binary.
+        #[arg(long)]
+        cpu: bool,
+        /// Costs measured by `cannabis testnet calibrate` (JSON).
+        #[arg(long, value_name = "FILE")]
+        costs: Option<PathBuf>,
+        /// Find the highest rate at which 95% of offers are placed before their deadline
+        /// (capacity workload, CPU charged).
+        #[arg(long)]
+        find_capacity: bool,
+        /// Topics offers travel on (default: 1 for the mixed workload; for capacity, one
+        /// shard per 500 to 1,000 nodes).
+        #[arg(long)]
+        offer_shards: Option<u32>,
         /// Seed; the same seed gives the same run.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Ads for the placement figure.
+        /// Ads for the placement figure (0: skip it).
         #[arg(long, default_value_t = 10_000)]
         placement_ads: usize,
         #[command(flatten)]
         format: Format,
     },
+    /// Measure what the real node spends per message (the simulator's CPU model) and
+    /// write it as JSON.
+    Calibrate {
+        /// Where to write the costs.
+        #[arg(long, default_value = "calibration.json")]
+        out: PathBuf,
+        /// Directory for the short testnet the transport cost is measured on.
+        #[arg(long, default_value = ".testnet-calibrate")]
+        dir: PathBuf,
+        #[command(flatten)]
+        format: Format,
+    },
+}
+
+/// What the simulator offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum SimWorkload {
+    /// Task graphs, groups, GPUs, long runs, with losses and crashes.
+    Mixed,
+    /// Single tasks placed early, short runs: the network's capacity.
+    Capacity,
 }
 
 #[derive(Debug, Subcommand)]

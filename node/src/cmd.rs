@@ -7,6 +7,7 @@ use anyhow::Context as _;
 
 use crate::cli::{Cli, Command};
 
+mod calibrate;
 mod demo;
 mod exec;
 mod job;

@@ -188,6 +188,11 @@ pub struct Gossip {
     /// Peers sharing one IP address before peer scores are lowered (raise it for local
     /// testnets, where every node is on 127.0.0.1).
     pub ip_colocation_threshold: f64,
+    /// Topics job offers travel on: a network parameter, the same on every node (a power
+    /// of two up to 1024). With more than one, a node hears only the offers whose bid calls
+    /// can draw it (see docs/protocol.md, "Gossip topics"); 1 suits networks of up to a few
+    /// thousand nodes.
+    pub offer_shards: u32,
 }
 
 impl Default for NodeConfig {
@@ -238,6 +243,7 @@ impl Default for Gossip {
             ad_refresh_secs: 240,
             heartbeat_millis: 700,
             ip_colocation_threshold: 10.0,
+            offer_shards: 1,
         }
     }
 }
@@ -269,6 +275,11 @@ impl NodeConfig {
         anyhow::ensure!(
             self.gossip.heartbeat_millis >= 100,
             "gossip.heartbeat_millis must be at least 100"
+        );
+        anyhow::ensure!(
+            self.gossip.offer_shards.is_power_of_two()
+                && self.gossip.offer_shards <= cannabis_protocol::draw::MAX_SHARDS,
+            "gossip.offer_shards must be a power of two from 1 to 1024 (and the same on every node)"
         );
         Ok(())
     }
@@ -320,6 +331,28 @@ mod tests {
             cannabis_protocol::Amount(0)
         );
         assert_eq!(NodeConfig::default().owner.prices, default_prices());
+    }
+
+    #[test]
+    fn testnet_node_files_parse_and_differ() {
+        let configs: Vec<NodeConfig> = (0..8)
+            .map(|i| toml::from_str(&cannabis_testnet::launcher::node_config(i)).unwrap())
+            .collect();
+        assert!(
+            configs
+                .iter()
+                .all(|c| c.worker.custom_code && c.check().is_ok())
+        );
+        let prices: std::collections::BTreeSet<u64> = configs
+            .iter()
+            .map(|c| c.owner.prices.cpu_core_hour.0)
+            .collect();
+        assert!(prices.len() >= 4, "{prices:?}");
+        let cores: std::collections::BTreeSet<String> = configs
+            .iter()
+            .map(|c| format!("{:?}", c.executor.cpu))
+            .collect();
+        assert!(cores.len() >= 2, "{cores:?}");
     }
 
     #[test]

@@ -37,10 +37,13 @@ use tracing::{debug, error, info, warn};
 use crate::config::NodeConfig;
 use crate::keystore::NodeKeys;
 use crate::store::Store;
-use crate::swarm::{self, Behaviour, BehaviourEvent, Topic};
+use crate::swarm::{self, Behaviour, BehaviourEvent};
 
 /// Connections a node keeps open to peers it discovers, so that gossip meshes can form.
 const TARGET_PEERS: usize = 16;
+
+/// Peers a node asks for the live market after it starts.
+const SYNC_PEERS: usize = 3;
 
 /// Most events taken in one turn of the loop before the engine's outputs are drained.
 const BATCH: usize = 64;
@@ -141,6 +144,8 @@ pub(crate) struct Node {
     swarm: Swarm<Behaviour>,
     market: Market,
     market_config: MarketConfig,
+    /// The gossip topics (offers sharded as the network is configured).
+    topics: swarm::Topics,
     store: Arc<Store>,
     /// The local executor, once it opened (or why it did not).
     executor: handle::ExecutorSlot,
@@ -169,11 +174,16 @@ pub(crate) struct Node {
     /// Sync pages being fed to the engine.
     sync: HashMap<SyncId, SyncTally>,
     next_sync: u64,
+    /// Peers asked for the live market since start.
+    syncs_started: usize,
     /// When each offer this node published was handed to gossip, µs (for the API).
     published_at: HashMap<cannabis_protocol::Uuid, u64>,
     ping_rtt: HashMap<PeerId, Duration>,
-    /// Remote addresses of each peer's open connections.
-    connections: HashMap<PeerId, Vec<(libp2p::swarm::ConnectionId, Multiaddr)>>,
+    /// Each peer's open connections: id, remote address, whether this node dialed it.
+    connections: HashMap<PeerId, Vec<(libp2p::swarm::ConnectionId, Multiaddr, bool)>>,
+    /// Peers this node is dialing for discovery, not yet connected: they count against
+    /// the connections it aims for, or a burst of discoveries dials everyone.
+    dialing: std::collections::HashSet<PeerId>,
     app_scores: HashMap<PeerId, f64>,
     /// Runtimes and collectives, once probed.
     software: Option<Software>,
@@ -181,6 +191,9 @@ pub(crate) struct Node {
     probe: Option<gossip::Probe>,
     /// Our ad went out before any peer listened: publish it again when one subscribes.
     ad_unheard: bool,
+    /// When the ad is to be published next: changes that come together make one ad, not
+    /// one each (every node checks and stores every ad).
+    ad_due: Option<tokio::time::Instant>,
     /// Commands to itself, from blocking work.
     self_tx: mpsc::Sender<Command>,
     /// Challenges this node set, by request.
@@ -240,6 +253,7 @@ pub async fn start(
         swarm,
         market,
         market_config,
+        topics: swarm::Topics::new(config.gossip.offer_shards),
         store: store.clone(),
         executor: executor_rx.clone(),
         opening: None,
@@ -259,13 +273,16 @@ pub async fn start(
         next_gossip: 0,
         sync: HashMap::new(),
         next_sync: 0,
+        syncs_started: 0,
         published_at: HashMap::new(),
         ping_rtt: HashMap::new(),
         connections: HashMap::new(),
+        dialing: std::collections::HashSet::new(),
         app_scores: HashMap::new(),
         software: None,
         probe: None,
         ad_unheard: false,
+        ad_due: None,
         self_tx: internal_tx.clone(),
         challenges: HashMap::new(),
         proving: None,
@@ -374,6 +391,8 @@ impl Node {
         let mut ad_timer =
             tokio::time::interval(Duration::from_secs(self.config.gossip.ad_refresh_secs));
         ad_timer.tick().await;
+        let mut upkeep = tokio::time::interval(Duration::from_secs(10));
+        upkeep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             // The engine is woken exactly when it asks (end of a bid window, an award's
             // deadline, a renewal, an expiry), on the monotonic clock.
@@ -399,6 +418,14 @@ impl Node {
                 },
                 Some(command) = internal.recv() => self.on_command(command),
                 _ = ad_timer.tick() => self.probe_machine(None),
+                () = sleep_until(self.ad_due) => {
+                    self.ad_due = None;
+                    self.publish_ad_now();
+                }
+                _ = upkeep.tick() => {
+                    self.reach_every_shard();
+                    self.trim_connections();
+                }
             }
             self.drain();
         }
@@ -482,7 +509,7 @@ impl Node {
             }
             MarketEvent::PassKept { verifier } => {
                 info!(%verifier, "challenge pass received");
-                self.publish_ad_now();
+                self.publish_ad_soon();
             }
             MarketEvent::Refused { from, what, why } => {
                 info!(peer = %from, reason = %why, "{what} refused");
@@ -614,7 +641,7 @@ impl Node {
             Command::Software(software) => {
                 info!(runtimes = ?software.0, collectives = ?software.1, "runtimes probed");
                 self.software = Some(software);
-                self.publish_ad_now();
+                self.publish_ad_soon();
             }
             Command::Probed(n, probe, reply) => {
                 if n > self.probe_applied {
@@ -623,15 +650,16 @@ impl Node {
                     self.config.owner = probe.owner.clone();
                     self.probe = Some(*probe);
                 }
-                let published = self.publish_ad();
-                if let Err(e) = &published {
-                    warn!(error = %format!("{e:#}"), "cannot publish the capability ad");
-                }
-                if let Some(reply) = reply {
-                    let _ = reply.send(published);
+                // Asked for (the API waits): now. Otherwise with whatever else changes the
+                // ad in the next moment (the executor opening, the runtimes probed).
+                match reply {
+                    Some(reply) => {
+                        let _ = reply.send(self.publish_ad());
+                    }
+                    None => self.publish_ad_soon(),
                 }
             }
-            Command::ExecutorReady => self.publish_ad_now(),
+            Command::ExecutorReady => self.publish_ad_soon(),
         }
     }
 
@@ -688,11 +716,13 @@ impl Node {
             peer_id: self.swarm.local_peer_id().to_string(),
             listen_addrs: self.swarm.listeners().map(ToString::to_string).collect(),
             connected_peers: self.swarm.connected_peers().count(),
-            mesh_peers: Topic::ALL
+            mesh_peers: self
+                .topics
+                .own(&self.address)
                 .iter()
                 .map(|t| api::TopicPeers {
-                    topic: t.name().to_string(),
-                    peers: gossipsub.mesh_peers(&t.ident().hash()).count(),
+                    topic: self.topics.name(*t),
+                    peers: gossipsub.mesh_peers(&self.topics.ident(*t).hash()).count(),
                 })
                 .collect(),
             ads: self.market.view().ad_count(),
@@ -712,7 +742,7 @@ impl Node {
                 addrs: self
                     .connections
                     .get(peer)
-                    .map(|c| c.iter().map(|(_, a)| a.to_string()).collect())
+                    .map(|c| c.iter().map(|(_, a, _)| a.to_string()).collect())
                     .unwrap_or_default(),
                 score: gossipsub.peer_score(peer).unwrap_or(0.0),
                 ping_us: self
@@ -761,11 +791,17 @@ impl Node {
                 ..
             } => {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
-                self.connections
-                    .entry(peer_id)
-                    .or_default()
-                    .push((connection_id, endpoint.get_remote_address().clone()));
-                if num_established.get() == 1 {
+                self.dialing.remove(&peer_id);
+                self.connections.entry(peer_id).or_default().push((
+                    connection_id,
+                    endpoint.get_remote_address().clone(),
+                    endpoint.is_dialer(),
+                ));
+                // A node that just started asks its first few peers for the live market;
+                // gossip brings the rest. (Syncing the whole view with every peer made a
+                // 100-node testnet spend most of its start-up serving the same pages.)
+                if num_established.get() == 1 && self.syncs_started < SYNC_PEERS {
+                    self.syncs_started += 1;
                     self.start_sync(peer_id);
                 }
             }
@@ -777,7 +813,7 @@ impl Node {
                 ..
             } => {
                 if let Some(c) = self.connections.get_mut(&peer_id) {
-                    c.retain(|(id, _)| *id != connection_id);
+                    c.retain(|(id, _, _)| *id != connection_id);
                 }
                 debug!(peer = %peer_id, remaining = num_established, cause = ?cause, "connection closed");
                 if num_established == 0 {
@@ -787,6 +823,9 @@ impl Node {
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 debug!(peer = ?peer_id, error = %error, "dial failed");
+                if let Some(peer) = peer_id {
+                    self.dialing.remove(&peer);
+                }
             }
             SwarmEvent::IncomingConnectionError { error, .. } => {
                 debug!(error = %error, "incoming connection failed");
@@ -829,12 +868,73 @@ impl Node {
     fn maybe_dial(&mut self, peer: PeerId) {
         if peer == *self.swarm.local_peer_id()
             || self.swarm.is_connected(&peer)
-            || self.swarm.connected_peers().count() >= TARGET_PEERS
+            || self.dialing.contains(&peer)
+            || self.swarm.connected_peers().count() + self.dialing.len() >= TARGET_PEERS
         {
             return;
         }
-        if let Err(e) = self.swarm.dial(peer) {
-            debug!(%peer, error = %e, "cannot dial discovered peer");
+        match self.swarm.dial(peer) {
+            Ok(()) => {
+                self.dialing.insert(peer);
+            }
+            Err(e) => debug!(%peer, error = %e, "cannot dial discovered peer"),
+        }
+    }
+
+    /// Keeps the node's connections near what gossip needs. Kademlia's lookups connect to
+    /// every peer they query, and in a network of a hundred nodes that is everyone: each
+    /// connection then costs gossip, ping and keep-alive traffic for good. Above twice
+    /// the aim, connections this node dialed to peers in none of its gossip meshes are let
+    /// go. It never cuts a connection a peer made to it (that may be the peer's only one),
+    /// nor its bootstrap peers; below half the aim it dials peers it knows.
+    fn trim_connections(&mut self) {
+        let connected = self.swarm.connected_peers().count();
+        if connected < TARGET_PEERS / 2 {
+            let known: Vec<PeerId> = self
+                .swarm
+                .behaviour_mut()
+                .kad
+                .kbuckets()
+                .flat_map(|b| b.iter().map(|e| *e.node.key.preimage()).collect::<Vec<_>>())
+                .collect();
+            for peer in known {
+                self.maybe_dial(peer);
+            }
+            for addr in self.config.bootstrap.clone() {
+                let _ = self.swarm.dial(addr);
+            }
+        }
+        let limit = 2 * TARGET_PEERS;
+        let connected: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        if connected.len() <= limit {
+            return;
+        }
+        let gossipsub = &self.swarm.behaviour().gossipsub;
+        let meshed: std::collections::HashSet<PeerId> = gossipsub
+            .topics()
+            .flat_map(|t| gossipsub.mesh_peers(t).copied().collect::<Vec<_>>())
+            .collect();
+        let bootstrap: std::collections::HashSet<PeerId> = self
+            .config
+            .bootstrap
+            .iter()
+            .filter_map(|a| match a.iter().last() {
+                Some(libp2p::multiaddr::Protocol::P2p(p)) => Some(p),
+                _ => None,
+            })
+            .collect();
+        let spare: Vec<PeerId> = connected
+            .into_iter()
+            .filter(|p| !meshed.contains(p) && !bootstrap.contains(p))
+            .filter(|p| {
+                self.connections
+                    .get(p)
+                    .is_some_and(|c| c.iter().all(|(_, _, dialed)| *dialed))
+            })
+            .collect();
+        let excess = self.swarm.connected_peers().count() - limit;
+        for peer in spare.into_iter().take(excess) {
+            let _ = self.swarm.disconnect_peer_id(peer);
         }
     }
 

@@ -125,9 +125,24 @@ impl Store {
     }
 
     /// Writes a batch of the market's records in one transaction: durable when this
-    /// returns, or not written at all.
+    /// returns, or not written at all. A batch of nothing but gossiped ads and offers is
+    /// written without a sync: losing the newest few in a crash loses nothing that peers
+    /// cannot give back (sync brings them again), and a sync per gossiped message would
+    /// cost every node a disk flush per offer in the network. The next durable batch
+    /// makes them durable too.
     pub fn apply(&self, ops: &[RecordOp]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
+        let mut txn = self.db.begin_write()?;
+        let gossip_only = ops.iter().all(|op| {
+            matches!(
+                op,
+                RecordOp::Put(Record::Ad { .. } | Record::Offer { .. })
+                    | RecordOp::Delete(RecordKey::Ad(_) | RecordKey::Offer(_))
+            )
+        });
+        if gossip_only {
+            txn.set_durability(redb::Durability::None)
+                .context("writing gossip without a sync")?;
+        }
         {
             let mut counters = txn.open_table(COUNTERS)?;
             for op in ops {

@@ -129,6 +129,42 @@ pub fn odds_for(target: u32, weights: u128) -> u32 {
     u32::try_from(odds.min(u128::from(ODDS_ONE))).unwrap_or(ODDS_ONE)
 }
 
+/// Most offer shards a network may have.
+pub const MAX_SHARDS: u32 = 1024;
+
+/// The shard of a point on the ring, among `shards` (a power of two): its top bits.
+pub fn shard_of(point: u64, shards: u32) -> u32 {
+    if shards <= 1 {
+        return 0;
+    }
+    (point >> (64 - shards.trailing_zeros())) as u32
+}
+
+/// The shards a task's call reaches: those holding a point in
+/// `[task_point, task_point + threshold(odds, WEIGHT_MAX))` on the ring, which is where
+/// every worker the call could draw at any price sits. An offer is gossiped on the topics
+/// of these shards (every shard when the call reaches everyone).
+pub fn reached_shards(call: &BidCall, job_id: &Uuid, task: u32, shards: u32) -> Vec<u32> {
+    if shards <= 1 {
+        return vec![0];
+    }
+    let reach = threshold(call.odds_ppb, WEIGHT_MAX);
+    let span = u64::MAX >> shards.trailing_zeros();
+    if call.odds_ppb >= ODDS_ONE || reach >= u64::MAX - span {
+        return (0..shards).collect();
+    }
+    let start = task_point(job_id, task);
+    let first = shard_of(start, shards);
+    let last = shard_of(start.wrapping_add(reach), shards);
+    let mut out = vec![first];
+    let mut s = first;
+    while s != last {
+        s = (s + 1) % shards;
+        out.push(s);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +222,33 @@ mod tests {
         assert!((2..=30).contains(&n.len()), "{}", n.len());
         assert!((15..=80).contains(&w.len()), "{}", w.len());
         assert_eq!(drawn_at(&BidCall::EVERYONE).len(), workers.len());
+    }
+
+    #[test]
+    fn an_offer_reaches_the_shards_of_every_worker_it_can_draw() {
+        let job = Uuid([3; 16]);
+        let call = BidCall {
+            target: 8,
+            odds_ppb: 2_000,
+            ref_price: Amount(100),
+        };
+        for shards in [1u32, 2, 16, 256] {
+            let reached = reached_shards(&call, &job, 0, shards);
+            assert!(!reached.is_empty() && reached.len() <= 2, "{reached:?}");
+            for i in 0..5000u32 {
+                let mut s = [0u8; 32];
+                s[..4].copy_from_slice(&i.to_le_bytes());
+                s[31] = 9;
+                let w = Keypair::from_secret(s).address();
+                if drawn(&call, &job, 0, &w, Amount(1)) {
+                    assert!(reached.contains(&shard_of(worker_point(&w), shards)));
+                }
+            }
+        }
+        assert_eq!(reached_shards(&BidCall::EVERYONE, &job, 0, 8).len(), 8);
+        assert_eq!(shard_of(u64::MAX, 16), 15);
+        assert_eq!(shard_of(0, 16), 0);
+        assert_eq!(shard_of(u64::MAX, 1), 0);
     }
 
     #[test]

@@ -119,13 +119,40 @@ pub struct Address {
     key: [u8; 32],
 }
 
+/// Most decompressed keys remembered; the memory is cleared when it is full.
+const KEYS_REMEMBERED: usize = 16_384;
+
+/// The decompressed form of a public key, if it is a usable (valid, not small-order) key.
+///
+/// Decompressing a key costs about as much as a third of a signature check, and a node
+/// checks many messages from the same few thousand signers: the result is remembered (a
+/// cache of a pure function: bounded, and the same answer either way).
+fn usable_key(key: &[u8; 32]) -> Option<VerifyingKey> {
+    use std::collections::HashMap;
+    use std::sync::{LazyLock, Mutex};
+    static KEYS: LazyLock<Mutex<HashMap<[u8; 32], Option<VerifyingKey>>>> =
+        LazyLock::new(|| Mutex::new(HashMap::new()));
+    if let Ok(keys) = KEYS.lock()
+        && let Some(known) = keys.get(key)
+    {
+        return *known;
+    }
+    let vk = VerifyingKey::from_bytes(key)
+        .ok()
+        .filter(|vk| !vk.is_weak());
+    if let Ok(mut keys) = KEYS.lock() {
+        if keys.len() >= KEYS_REMEMBERED {
+            keys.clear();
+        }
+        keys.insert(*key, vk);
+    }
+    vk
+}
+
 impl Address {
     /// The address of a public key; refuses bytes that are not a usable key.
     pub fn from_public_key(key: [u8; 32]) -> Result<Self, AddressError> {
-        let vk = VerifyingKey::from_bytes(&key).map_err(|_| AddressError::BadKey)?;
-        if vk.is_weak() {
-            return Err(AddressError::BadKey);
-        }
+        usable_key(&key).ok_or(AddressError::BadKey)?;
         Ok(Self { key })
     }
 
@@ -138,7 +165,7 @@ impl Address {
     /// encodings accepted).
     pub fn verify(&self, msg: &[u8], signature: &SignatureBytes) -> Result<(), BadSignature> {
         let bad = || BadSignature { signer: *self };
-        let vk = VerifyingKey::from_bytes(&self.key).map_err(|_| bad())?;
+        let vk = usable_key(&self.key).ok_or_else(bad)?;
         let sig = ed25519_dalek::Signature::from_bytes(&signature.0);
         vk.verify_strict(msg, &sig).map_err(|_| bad())
     }

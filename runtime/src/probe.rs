@@ -216,11 +216,35 @@ fn run_with_timeout(program: &str, args: &[&str], timeout: std::time::Duration) 
     Some(out.trim().to_string())
 }
 
-const TORCH_PROBE: &str = "import json, torch, torch.distributed as d\n\
-print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, \
-'hip': getattr(torch.version, 'hip', None), \
-'nccl': d.is_available() and d.is_nccl_available(), \
-'gloo': d.is_available() and d.is_gloo_available()}))";
+/// One run of python3 says its version and, when torch imports, torch's build and
+/// collectives (one process: on machines where `python3` is a shim, each start costs more
+/// than the probe itself).
+const PYTHON_PROBE: &str = r#"
+import json, platform
+r = {"python": platform.python_version()}
+try:
+    import torch, torch.distributed as d
+    r.update(torch=torch.__version__, cuda=torch.version.cuda,
+             hip=getattr(torch.version, "hip", None),
+             nccl=d.is_available() and d.is_nccl_available(),
+             gloo=d.is_available() and d.is_gloo_available())
+except Exception:
+    pass
+print(json.dumps(r))
+"#;
+
+/// What [`PYTHON_PROBE`] prints.
+#[derive(serde::Deserialize)]
+struct PythonProbe {
+    python: String,
+    torch: Option<String>,
+    cuda: Option<String>,
+    hip: Option<String>,
+    #[serde(default)]
+    nccl: bool,
+    #[serde(default)]
+    gloo: bool,
+}
 
 /// python3 and torch (with its CUDA or ROCm build and collectives), when installed. Runs
 /// `python3` (importing torch can take seconds), so callers keep it off latency-sensitive
@@ -232,51 +256,27 @@ pub fn runtimes() -> (
     use cannabis_protocol::{Collective, Runtime};
     let mut runtimes = Vec::new();
     let mut collectives = Vec::new();
-    let Some(version) =
-        run_with_timeout("python3", &["--version"], std::time::Duration::from_secs(5))
-    else {
-        return (runtimes, collectives);
-    };
-    runtimes.push(Runtime {
-        name: "python3".into(),
-        version: version.trim_start_matches("Python ").to_string(),
-    });
-    let torch = run_with_timeout(
+    let probe = run_with_timeout(
         "python3",
-        &["-c", TORCH_PROBE],
+        &["-c", PYTHON_PROBE],
         std::time::Duration::from_secs(60),
-    );
-    let Some(torch) = torch.and_then(|t| t.lines().last().map(str::to_string)) else {
+    )
+    .and_then(|out| serde_json::from_str::<PythonProbe>(out.lines().last()?).ok());
+    let Some(p) = probe else {
         return (runtimes, collectives);
     };
-    let field = |key: &str| -> Option<String> {
-        let start = torch.find(&format!("\"{key}\": "))? + key.len() + 4;
-        let rest = &torch[start..];
-        let end = rest.find([',', '}'])?;
-        Some(rest[..end].trim().trim_matches('"').to_string())
+    let runtime = |name: &str, version: String| Runtime {
+        name: name.into(),
+        version,
     };
-    if let Some(v) = field("torch") {
-        runtimes.push(Runtime {
-            name: "torch".into(),
-            version: v,
-        });
-    }
-    if let Some(v) = field("cuda").filter(|v| v != "null") {
-        runtimes.push(Runtime {
-            name: "cuda".into(),
-            version: v,
-        });
-    }
-    if let Some(v) = field("hip").filter(|v| v != "null") {
-        runtimes.push(Runtime {
-            name: "rocm".into(),
-            version: v,
-        });
-    }
-    if field("gloo").as_deref() == Some("true") {
+    runtimes.push(runtime("python3", p.python));
+    runtimes.extend(p.torch.map(|v| runtime("torch", v)));
+    runtimes.extend(p.cuda.map(|v| runtime("cuda", v)));
+    runtimes.extend(p.hip.map(|v| runtime("rocm", v)));
+    if p.gloo {
         collectives.push(Collective::Gloo);
     }
-    if field("nccl").as_deref() == Some("true") {
+    if p.nccl {
         collectives.push(Collective::Nccl);
     }
     (runtimes, collectives)

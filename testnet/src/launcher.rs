@@ -279,6 +279,11 @@ fn start_process(
         );
     }
     let _ = fs::remove_file(data_dir.join("node.json"));
+    let config = data_dir.join("node.toml");
+    if !config.exists() {
+        fs::write(&config, node_config(index))
+            .with_context(|| format!("writing {}", config.display()))?;
+    }
     let log = fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -288,8 +293,11 @@ fn start_process(
     cmd.arg("--data-dir")
         .arg(&data_dir)
         .args(["node", "run", "--testnet", "--no-mdns"])
+        .arg("--config")
+        .arg(&config)
+        // TCP only: on loopback QUIC buys nothing, and a second transport doubles every
+        // pair's connections (and each QUIC endpoint seeds its own entropy at start).
         .args(["--listen", "/ip4/127.0.0.1/tcp/0"])
-        .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
         .args(["--api", "127.0.0.1:0"]);
     if let Some(b) = bootstrap {
         cmd.args(["--bootstrap", b]);
@@ -301,6 +309,35 @@ fn start_process(
         .spawn()
         .with_context(|| format!("starting node {index}"))?;
     Ok((data_dir, child))
+}
+
+/// The configuration of testnet node `index`: its workers differ, so that placement by
+/// price and by capability shows. Prices spread over 600 to 2,400 base units a core-hour;
+/// each node offers a quarter, half, three quarters or all of this machine's cores and
+/// memory (through the executor's owner limits, which its ad follows). Its owner allows
+/// requesters' own programs (a testnet is its owner's own machine).
+pub fn node_config(index: usize) -> String {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    let memory_mib = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|kib| kib.parse::<u64>().ok())
+        })
+        .map_or(1024, |kib| kib / 1024);
+    let share = [0.25, 0.5, 0.75, 1.0][index % 4];
+    let cpu = (cores * share * 4.0).round().max(1.0) / 4.0;
+    let memory = ((memory_mib as f64 * share) as u64).max(256);
+    let cpu_price = 600 + 200 * ((index * 7) % 10);
+    let memory_price = 50 + 10 * (index % 5);
+    format!(
+        "# Written by `cannabis testnet up` for node {index}.\n\
+         [owner.prices]\ncpu_core_hour = {cpu_price}\nmemory_gib_hour = {memory_price}\n\n\
+         [executor]\ncpu = {cpu}\nmemory = \"{memory}MiB\"\n\n\
+         [worker]\ncustom_code = true\n"
+    )
 }
 
 fn wait_ready(

@@ -4,10 +4,8 @@
 //! messages, workers that crash and come back from their stores, and a CPU model that
 //! charges each node what the real node spends per message (see [`Costs`]).
 //!
-//! The same seed gives the same run, step for step. The random numbers come from
-//! SplitMix64, written out below rather than taken from `rand`: a simulation seed must
-//! reproduce the same run after any dependency upgrade, and `rand`'s seeded generators do
-//! not promise a stable sequence across versions.
+//! The same seed gives the same run, step for step (the numbers come from
+//! `testkit::Rng`, SplitMix64 written out, so a seed survives dependency upgrades).
 //!
 //! Checked during the run: the same assignment and epoch is never countersigned by two
 //! workers. Checked at the end: every job ended in a defined state, nothing is left
@@ -29,7 +27,7 @@ use cannabis_market::lease::AssignmentKey;
 use cannabis_market::placement::{self, Candidate, Class};
 use cannabis_market::quote::{self, WorkerPolicy};
 use cannabis_market::testkit::net::{Envelope, Node};
-use cannabis_market::testkit::{self, Machine};
+use cannabis_market::testkit::{self, Machine, Rng};
 use cannabis_market::{
     Command, CommandOk, Identity, Inbound, Input, MarketConfig, MarketEvent, Refusal, Signatures,
 };
@@ -64,6 +62,14 @@ pub struct Costs {
     pub measured: String,
 }
 
+impl Costs {
+    /// The figures measured on this project's reference machine with `cannabis testnet
+    /// calibrate` (see docs/benchmarks.md), shipped with the binary.
+    pub fn calibrated() -> anyhow::Result<Costs> {
+        Ok(serde_json::from_str(include_str!("../calibration.json"))?)
+    }
+}
+
 /// The shape of the work offered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -72,7 +78,8 @@ pub enum Workload {
     /// window of 10 s: the market's rules under stress.
     Mixed,
     /// Single tasks (a tenth groups of two), a bid window of 2 s with early placement, a
-    /// deadline of 60 s, runs of 2 to 10 s: how many offers a second the network places.
+    /// deadline of 60 s, runs of 1 to 5 s, a lease per core: how many offers a second the
+    /// network places.
     Capacity,
 }
 
@@ -107,6 +114,8 @@ pub struct SimConfig {
     /// Compare the price of every `price_sample`-th placement with the placement on the
     /// bids of every matching worker (0: never).
     pub price_sample: usize,
+    /// Topics offers travel on (see the node's `gossip.offer_shards`).
+    pub offer_shards: u32,
 }
 
 impl Default for SimConfig {
@@ -125,6 +134,7 @@ impl Default for SimConfig {
             costs: Costs::default(),
             full_delivery: false,
             price_sample: 10,
+            offer_shards: 1,
         }
     }
 }
@@ -199,6 +209,12 @@ pub struct SimReport {
     pub busiest_cpu: f64,
     /// Every node's CPU share taken by receiving offers.
     pub offer_cpu: f64,
+    /// Offer shards.
+    pub offer_shards: u32,
+    /// The run was stopped because the nodes could not keep up (queues only grew).
+    pub overloaded: bool,
+    /// The share of the shards an offer reached, on average.
+    pub offer_reach: f64,
     /// Messages sent.
     pub messages: u64,
     /// Messages lost.
@@ -213,28 +229,6 @@ pub struct SimReport {
     pub spent: u64,
     /// Returned to requesters.
     pub refunded: u64,
-}
-
-/// SplitMix64 (Steele, Lea and Flood, 2014).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn percent(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
 }
 
 /// Something for a node to take in.
@@ -294,6 +288,9 @@ pub struct Violation {
 }
 
 const T0_MS: u64 = 1_800_000_000_000;
+/// Events in flight beyond which a run counts as overloaded (and memory stays bounded).
+const OVERLOAD_EVENTS: usize = 20_000_000;
+
 /// How long the simulated ads live: the whole run.
 const AD_TTL_MS: u64 = 30 * 86_400_000;
 /// Most inputs a node takes in one turn (as the node's driver does).
@@ -342,8 +339,14 @@ struct Sim {
     /// Offers as published (kept only with `full_delivery`, to check the shortcut).
     offers: BTreeMap<Uuid, Arc<Received<JobOffer>>>,
     price_ratios: Vec<f64>,
-    /// Share of each node's CPU taken by offers it only stores.
+    /// Share of each node's CPU taken by receiving every offer (offers on one topic).
     background: f64,
+    /// Sum over published offers of the share of shards they reached (with one shard,
+    /// one per offer): a node receives that share of the network's offers.
+    reach_sum: f64,
+    reach_count: u64,
+    /// Nothing happens after this (µs): every job's deadline has passed.
+    horizon: u64,
     report: SimReport,
 }
 
@@ -356,10 +359,16 @@ impl Sim {
         let mut rng = Rng(config.seed);
         let now = us(T0_MS);
         let t0 = Timestamp(T0_MS);
+        // Mixed: a lease per eight cores, so workers fill up and refuse as busy. Capacity:
+        // a lease per core, so the market, not the machines, is what runs out.
+        let per_lease = match config.workload {
+            Workload::Mixed => 8,
+            Workload::Capacity => 1,
+        };
         let market_config = |m: &Machine| MarketConfig {
             worker: WorkerPolicy {
                 custom_code: true,
-                max_leases: (m.cores / 8).max(1),
+                max_leases: (m.cores / per_lease).max(1),
                 ..WorkerPolicy::default()
             },
             leases: LeaseConfig::default(),
@@ -448,6 +457,9 @@ impl Sim {
             offers: BTreeMap::new(),
             price_ratios: Vec::new(),
             background,
+            reach_sum: 0.0,
+            reach_count: 0,
+            horizon: us(T0_MS + config.span_ms + 3_600_000 + 60_000),
             report: SimReport {
                 offer_rate: rate,
                 offer_cpu: background,
@@ -455,6 +467,16 @@ impl Sim {
             },
             config,
         }
+    }
+
+    /// Share of a node's CPU taken by receiving offers: each receives those of its shard.
+    fn offer_load(&self) -> f64 {
+        let reach = if self.reach_count == 0 {
+            1.0
+        } else {
+            self.reach_sum / self.reach_count as f64
+        };
+        self.background * reach
     }
 
     fn at(&mut self, t: u64, e: Event) {
@@ -565,12 +587,27 @@ impl Sim {
             let reach = draw::threshold(call.odds_ppb, draw::WEIGHT_MAX);
             let start = self.ring.partition_point(|(wp, _)| *wp < p);
             let n = self.ring.len();
+            // A worker quotes its price for the time left to the deadline when it takes
+            // the offer, at the latest when the bid window ends: the price for that
+            // shortest time is the lowest it can quote, so the largest weight it can have.
+            let spec = &offer.tasks[t];
+            let shortest = offer.deadline.ms_since(offer.expires_at);
+            let ref_reach = draw::threshold(call.odds_ppb, draw::WEIGHT_ONE);
             for k in 0..n {
                 let (wp, i) = self.ring[(start + k) % n];
-                if draw::distance(p, wp) >= reach {
+                let d = draw::distance(p, wp);
+                if d >= reach {
                     break;
                 }
-                if Some(i) != requester {
+                if Some(i) == requester {
+                    continue;
+                }
+                let ad = &self.ads[i].body;
+                // Drawn to bid at its lowest price, or to decline (at the reference).
+                let bid = quote::price(&ad.prices, ad, spec, shortest).is_some_and(|low| {
+                    d < draw::threshold(call.odds_ppb, draw::weight(low, call.ref_price))
+                });
+                if bid || d < ref_reach {
                     out.push(i);
                 }
             }
@@ -637,8 +674,8 @@ impl Sim {
             .filter(|e| matches!(e, Envelope::Request { .. } | Envelope::Offer { .. }))
             .count();
         work += signed as f64 * c.sign_us;
-        // The node's CPU is shared with receiving every offer of the network.
-        let share = (1.0 - self.background).max(1e-3);
+        // The node's CPU is shared with receiving the network's offers (those of its shard).
+        let share = (1.0 - self.offer_load()).max(1e-3);
         let elapsed = (work / share).ceil() as u64;
         let done = start + elapsed;
         self.nodes[i].free_at = done;
@@ -702,6 +739,18 @@ impl Sim {
         for e in out {
             match &e {
                 Envelope::Offer { item, .. } => {
+                    let shards = self.config.offer_shards;
+                    let reached: std::collections::BTreeSet<u32> = item
+                        .body
+                        .calls
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(t, c)| {
+                            draw::reached_shards(c, &item.body.job_id, t as u32, shards)
+                        })
+                        .collect();
+                    self.reach_sum += reached.len() as f64 / f64::from(shards.max(1));
+                    self.reach_count += 1;
                     if self.config.full_delivery {
                         self.offers.insert(item.body.job_id, item.clone());
                     }
@@ -751,11 +800,13 @@ impl Sim {
                 _ => {}
             }
         }
+        // Wakes past the last deadline (the ads' expiry, weeks ahead) are never needed.
         let wake = self.nodes[i]
             .node
             .market
             .poll_timeout()
-            .map(|t| us(t.0).max(self.nodes[i].free_at));
+            .map(|t| us(t.0).max(self.nodes[i].free_at))
+            .filter(|t| *t <= self.horizon);
         if wake != self.nodes[i].wake_at
             && let Some(t) = wake
         {
@@ -786,7 +837,7 @@ impl Sim {
         } else {
             let run = match self.config.workload {
                 Workload::Mixed => 5_000 + self.rng.below(600_000),
-                Workload::Capacity => 2_000 + self.rng.below(8_000),
+                Workload::Capacity => 1_000 + self.rng.below(4_000),
             };
             self.at(
                 at + us(run),
@@ -859,7 +910,7 @@ impl Sim {
             .filter_map(|(n, ad)| {
                 let policy = WorkerPolicy {
                     custom_code: true,
-                    max_leases: (n.machine.cores / 8).max(1),
+                    max_leases: n.machine.cores,
                     ..WorkerPolicy::default()
                 };
                 match quote::answer(&policy, &ad.body, &everyone, id, 0, &ctx)? {
@@ -945,6 +996,14 @@ impl Sim {
             if steps > limit {
                 return Err(self.violation("the simulation did not settle".into()));
             }
+            if self.queue.len() > OVERLOAD_EVENTS {
+                // The nodes cannot keep up: the queues only grow. What is still waiting is
+                // dropped; every job ends at its deadline, unplaced if it was not yet.
+                self.report.overloaded = true;
+                self.queue.clear();
+                self.events.clear();
+                break;
+            }
             self.now = t;
             let Some(e) = self.events.remove(&seq) else {
                 continue;
@@ -1020,12 +1079,19 @@ impl Sim {
         r.bids_per_offer = spread(bids);
         r.placement_ms = spread(placement_ms);
         r.price_samples = self.price_ratios.len();
+        r.offer_shards = self.config.offer_shards;
+        r.offer_reach = if self.reach_count == 0 {
+            1.0
+        } else {
+            self.reach_sum / self.reach_count as f64
+        };
+        r.offer_cpu = self.offer_load();
         r.price_ratio = spread(std::mem::take(&mut self.price_ratios));
         let span = (end - us(T0_MS)).max(1) as f64;
         r.busiest_cpu = self
             .nodes
             .iter()
-            .map(|n| n.busy_us / span + self.background)
+            .map(|n| n.busy_us / span + self.offer_load())
             .fold(0.0, f64::max);
         Ok(r)
     }
@@ -1034,6 +1100,114 @@ impl Sim {
 /// Runs the simulation.
 pub fn run(config: SimConfig) -> Result<SimReport, Violation> {
     Sim::new(config).run_all()
+}
+
+impl SimConfig {
+    /// The capacity workload: `rate` offers a second for `duration_s` seconds of virtual
+    /// time on `nodes` nodes (one in fifty publishes, at most 200: each holds every ad),
+    /// no losses or crashes, CPU charged with `costs`.
+    pub fn capacity(nodes: usize, rate: f64, duration_s: u64, costs: Costs, seed: u64) -> Self {
+        let shards = default_shards(nodes);
+        Self {
+            nodes,
+            offers: (rate * duration_s as f64).round().max(1.0) as usize,
+            requesters: (nodes / 50).clamp(1, 200),
+            seed,
+            span_ms: duration_s.max(1) * 1000,
+            max_delay_ms: 50,
+            drop_pct: 0,
+            dup_pct: 0,
+            crash_pct: 0,
+            workload: Workload::Capacity,
+            costs,
+            full_delivery: false,
+            price_sample: 0,
+            offer_shards: shards,
+        }
+    }
+}
+
+/// The offer shards a network of `nodes` would use: the largest power of two at most
+/// `nodes / 500` (at least 1), so each shard holds 500 to 1,000 workers.
+pub fn default_shards(nodes: usize) -> u32 {
+    let want = (nodes / 500).max(1) as u32;
+    (1u32 << (31 - want.leading_zeros())).min(draw::MAX_SHARDS)
+}
+
+/// One rate tried by [`find_capacity`].
+#[derive(Clone, Debug, Serialize)]
+pub struct CapacityStep {
+    /// Offers per second of virtual time.
+    pub rate: f64,
+    /// Share placed before the deadline.
+    pub placed_share: f64,
+    /// The run.
+    pub report: SimReport,
+    /// Wall time of the run, ms.
+    pub wall_ms: u64,
+}
+
+/// Share of offers that must be placed before their deadline for a rate to count as
+/// sustained.
+pub const SUSTAINED: f64 = 0.95;
+
+/// The highest rate (offers a second) that `nodes` nodes sustain: doubles from 500 until a
+/// rate fails (or 64,000 passes), then halves the gap four times. Every run is reported.
+/// A run publishes for `duration_s` seconds of virtual time, or less at high rates (at
+/// most 60,000 offers, at least 4 s).
+pub fn find_capacity(
+    nodes: usize,
+    duration_s: u64,
+    costs: &Costs,
+    shards: Option<u32>,
+    seed: u64,
+    mut progress: impl FnMut(&CapacityStep),
+) -> Result<Vec<CapacityStep>, Violation> {
+    let mut steps = Vec::new();
+    let mut try_rate = |rate: f64, steps: &mut Vec<CapacityStep>| -> Result<bool, Violation> {
+        let started = std::time::Instant::now();
+        // At most 60,000 offers a run (at least 4 s of virtual time), so a step at a high
+        // rate costs no more wall time than one at the goal.
+        let duration = duration_s.min((60_000.0 / rate).ceil() as u64).max(4);
+        let mut config = SimConfig::capacity(nodes, rate, duration, costs.clone(), seed);
+        if let Some(shards) = shards {
+            config.offer_shards = shards;
+        }
+        config.price_sample = (config.offers / 100).max(1);
+        let report = run(config)?;
+        let step = CapacityStep {
+            rate,
+            placed_share: report.placed_share,
+            wall_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            report,
+        };
+        progress(&step);
+        let ok = step.placed_share >= SUSTAINED;
+        steps.push(step);
+        Ok(ok)
+    };
+    let (mut good, mut bad) = (0.0f64, None);
+    let mut rate = 500.0;
+    while rate <= 64_000.0 {
+        if try_rate(rate, &mut steps)? {
+            good = rate;
+            rate *= 2.0;
+        } else {
+            bad = Some(rate);
+            break;
+        }
+    }
+    if let Some(mut bad) = bad {
+        for _ in 0..4 {
+            let mid = ((good + bad) / 2.0).round();
+            if try_rate(mid, &mut steps)? {
+                good = mid;
+            } else {
+                bad = mid;
+            }
+        }
+    }
+    Ok(steps)
 }
 
 /// Placement figures: one offer against many ads.
@@ -1146,6 +1320,15 @@ mod tests {
         assert_eq!(report.spent + report.refunded, report.budget);
         // Bids per offer stay near the call's target, not near the number of workers.
         assert!(report.bids_per_offer.p99 <= 64.0, "{report:?}");
+    }
+
+    #[test]
+    fn networks_get_a_shard_per_five_hundred_to_a_thousand_nodes() {
+        assert_eq!(default_shards(10), 1);
+        assert_eq!(default_shards(999), 1);
+        assert_eq!(default_shards(1_000), 2);
+        assert_eq!(default_shards(10_000), 16);
+        assert_eq!(default_shards(100_000), 128);
     }
 
     #[test]

@@ -18,26 +18,13 @@ use cannabis_protocol::draw::{self, BidCall};
 use cannabis_protocol::*;
 use proptest::prelude::*;
 
-use crate::lifecycle::{T0, WINDOW, config, identity};
-
-/// SplitMix64: the same numbers on every platform and version.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
+use crate::lifecycle::{T0, WINDOW, config, identity, network, submit};
 
 /// The bids an offer of `task` draws from `n` workers with random prices and shapes (a
 /// third lack the cores), as a requester holding every ad sizes the call: how many bid,
 /// and the cheapest drawn price against the cheapest of all.
 fn draw_in_a_network(n: usize, seed: u64, task: &TaskSpec) -> (usize, u32, f64) {
-    let mut rng = Rng(seed);
+    let mut rng = testkit::Rng(seed);
     let mut view = View::new(
         ViewConfig {
             max_ads: n + 1,
@@ -135,31 +122,11 @@ fn world(n: u64, template: OfferTemplate) -> (Net, Uuid) {
     let nodes = (0..=n)
         .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
         .collect();
-    let mut net = Net::new(nodes);
-    for i in 1..=n as usize {
-        let a = net.nodes[i].address();
-        let m = Machine {
-            cpu_core_hour: 10 + i as u64,
-            ..Machine::default()
-        };
-        let env = net.nodes[i].publish_ad(T0, testkit::ad(a, &m, T0));
-        net.queue.extend(env);
-    }
-    net.settle(T0);
-    let ok = net.nodes[0]
-        .market
-        .command(
-            T0,
-            Command::Submit {
-                template,
-                nonce: [3; 16],
-            },
-        )
-        .unwrap();
-    let CommandOk::Submitted { job, .. } = ok else {
-        panic!("{ok:?}")
-    };
-    net.drain(0, T0);
+    let mut net = network(nodes, |i| Machine {
+        cpu_core_hour: 10 + i,
+        ..Machine::default()
+    });
+    let job = submit(&mut net, template, [3; 16]);
     (net, job)
 }
 
@@ -292,17 +259,10 @@ fn a_call_that_draws_too_few_bids_is_widened() {
     )];
     nodes
         .extend((1..=200u64).map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0)));
-    let mut net = Net::new(nodes);
-    for i in 1..=200usize {
-        let a = net.nodes[i].address();
-        let m = Machine {
-            cores: if i % 50 == 0 { 16 } else { 4 },
-            ..Machine::default()
-        };
-        let env = net.nodes[i].publish_ad(T0, testkit::ad(a, &m, T0));
-        net.queue.extend(env);
-    }
-    net.settle(T0);
+    let mut net = network(nodes, |i| Machine {
+        cores: if i % 50 == 0 { 16 } else { 4 },
+        ..Machine::default()
+    });
     let task = testkit::task("big", 16, 0, 0, 1, 1_000_000);
     // A job id whose first call (odds 1/20 at these sizes) draws none of the four.
     let big: Vec<Address> = (1..=4).map(|k| testkit::keys(k * 50).address()).collect();
@@ -318,20 +278,11 @@ fn a_call_that_draws_too_few_bids_is_widened() {
                 .all(|w| !draw::drawn(&first_odds, &id, 0, w, Amount(1)))
         })
         .unwrap();
-    let CommandOk::Submitted { job, .. } = net.nodes[0]
-        .market
-        .command(
-            T0,
-            Command::Submit {
-                template: testkit::template(vec![task], WINDOW, 3_600_000),
-                nonce: [nonce; 16],
-            },
-        )
-        .unwrap()
-    else {
-        panic!()
-    };
-    net.drain(0, T0);
+    let job = submit(
+        &mut net,
+        testkit::template(vec![task], WINDOW, 3_600_000),
+        [nonce; 16],
+    );
     net.settle(T0);
     let first = net.nodes[0].market.job(&job).unwrap().offer().calls[0];
     let mut now = T0;
@@ -424,4 +375,52 @@ fn offers_carry_a_call_per_task_and_any_node_checks_it() {
         ..call
     }];
     assert!(Signed::sign(&testkit::keys(0), &offer).verify().is_err());
+}
+
+#[test]
+fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
+    // One worker, allowed one lease, bids on two jobs while it holds none; both are awarded
+    // to it: it takes one and refuses the other as busy; a third job draws no quote.
+    let mut one = config();
+    one.worker.max_leases = 1;
+    let nodes = vec![
+        Node::new(config(), identity(0), Some(testkit::keys(0)), T0),
+        Node::new(one, identity(1), Some(testkit::keys(1)), T0),
+    ];
+    let mut net = network(nodes, |_| Machine::default());
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let template = || testkit::template(vec![task.clone()], WINDOW, 3_600_000);
+    let a = submit(&mut net, template(), [1; 16]);
+    let b = submit(&mut net, template(), [2; 16]);
+    net.settle(T0);
+    for job in [a, b] {
+        assert_eq!(
+            net.nodes[0].market.job(&job).unwrap().tasks()[0].bid_count(),
+            1
+        );
+    }
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    assert!(
+        net.nodes[1]
+            .refusals
+            .iter()
+            .any(|r| matches!(r, Refusal::Busy { held: 1 })),
+        "{:?}",
+        net.nodes[1].refusals
+    );
+    let running = [a, b]
+        .iter()
+        .filter(|j| net.nodes[0].market.job(j).unwrap().tasks()[0].status() == &TaskStatus::Running)
+        .count();
+    assert_eq!(running, 1);
+    assert_eq!(net.nodes[1].market.leases().live_count(end), 1);
+    let c = submit(&mut net, template(), [3; 16]);
+    net.settle(end);
+    assert_eq!(
+        net.nodes[0].market.job(&c).unwrap().tasks()[0].bid_count(),
+        0,
+        "a full worker does not quote"
+    );
 }

@@ -55,29 +55,44 @@ fn world(n: u64, tasks: Vec<TaskSpec>) -> World {
     let nodes = (0..=n)
         .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
         .collect();
+    let mut net = network(nodes, machine);
+    let job = submit(
+        &mut net,
+        testkit::template(tasks, WINDOW, 3_600_000),
+        [7; 16],
+    );
+    net.settle(T0);
+    World { net, job }
+}
+
+/// Nodes whose workers (all but node 0) published their ads (machine `machine(i)` for
+/// node `i`) and every node heard them.
+pub(crate) fn network(nodes: Vec<Node>, machine: impl Fn(u64) -> Machine) -> Net {
     let mut net = Net::new(nodes);
-    for i in 1..=n as usize {
+    for i in 1..net.nodes.len() {
         let a = net.nodes[i].address();
         let env = net.nodes[i].publish_ad(T0, testkit::ad(a, &machine(i as u64), T0));
         net.queue.extend(env);
     }
     net.settle(T0);
+    net
+}
+
+/// Node 0 submits `template` at `T0`; its offer waits in the queue.
+pub(crate) fn submit(
+    net: &mut Net,
+    template: cannabis_market::OfferTemplate,
+    nonce: [u8; 16],
+) -> Uuid {
     let ok = net.nodes[0]
         .market
-        .command(
-            T0,
-            Command::Submit {
-                template: testkit::template(tasks, WINDOW, 3_600_000),
-                nonce: [7; 16],
-            },
-        )
+        .command(T0, Command::Submit { template, nonce })
         .unwrap();
     let cannabis_market::CommandOk::Submitted { job, .. } = ok else {
         panic!("{ok:?}")
     };
     net.drain(0, T0);
-    net.settle(T0);
-    World { net, job }
+    job
 }
 
 impl World {

@@ -8,7 +8,8 @@ use cannabis_testnet::bench::{self, BenchOptions};
 use cannabis_testnet::launcher::{self, Testnet, TestnetOptions};
 use cannabis_testnet::sim;
 
-use crate::cli::TestnetCommand;
+use crate::cli::Format;
+use crate::cli::{SimWorkload, TestnetCommand};
 use crate::output::{self, out};
 
 pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()> {
@@ -64,82 +65,77 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
         TestnetCommand::Sim {
             nodes,
             offers,
+            rate,
+            duration,
+            workload,
+            cpu,
+            costs,
+            find_capacity,
+            offer_shards,
             seed,
             placement_ads,
             format,
         } => {
-            let config = sim::SimConfig {
-                nodes,
-                offers,
-                seed,
-                requesters: (nodes / 25).max(1),
-                ..sim::SimConfig::default()
+            if let Some(s) = offer_shards {
+                anyhow::ensure!(
+                    s.is_power_of_two() && s <= cannabis_protocol::draw::MAX_SHARDS,
+                    "--offer-shards must be a power of two from 1 to 1024"
+                );
+            }
+            let costs = match (&costs, cpu || find_capacity) {
+                (Some(path), _) => serde_json::from_slice(
+                    &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+                )
+                .with_context(|| format!("parsing {}", path.display()))?,
+                (None, true) => sim::Costs::calibrated()?,
+                (None, false) => sim::Costs::default(),
             };
+            if find_capacity {
+                return capacity(nodes, duration, &costs, offer_shards, seed, &format);
+            }
+            let mut config = match (workload, rate) {
+                (SimWorkload::Capacity, Some(rate)) => {
+                    sim::SimConfig::capacity(nodes, rate, duration, costs, seed)
+                }
+                (SimWorkload::Capacity, None) => sim::SimConfig::capacity(
+                    nodes,
+                    offers as f64 / duration.max(1) as f64,
+                    duration,
+                    costs,
+                    seed,
+                ),
+                (SimWorkload::Mixed, rate) => sim::SimConfig {
+                    nodes,
+                    offers: rate.map_or(offers, |r| (r * duration as f64).round() as usize),
+                    span_ms: if rate.is_some() {
+                        duration * 1000
+                    } else {
+                        sim::SimConfig::default().span_ms
+                    },
+                    seed,
+                    requesters: (nodes / 25).max(1),
+                    costs,
+                    ..sim::SimConfig::default()
+                },
+            };
+            if let Some(s) = offer_shards {
+                config.offer_shards = s;
+            }
+            config.price_sample = (config.offers / 100).clamp(1, 10);
             let started = std::time::Instant::now();
             let report = sim::run(config)?;
             let wall = started.elapsed();
-            let placement = sim::placement_figures(placement_ads, 21);
-            let offers_per_sec = report.offers as f64 / wall.as_secs_f64().max(1e-9);
+            let placement = (placement_ads > 0).then(|| sim::placement_figures(placement_ads, 21));
             if format.json {
                 return output::json(&serde_json::json!({
                     "report": report,
                     "wall_ms": wall.as_millis() as u64,
-                    "offers_per_sec": offers_per_sec,
                     "placement": placement,
                 }));
             }
-            output::table(&[
-                (
-                    "nodes / offers",
-                    format!("{} / {}", report.nodes, report.offers),
-                ),
-                (
-                    "jobs",
-                    format!(
-                        "{} completed, {} failed, {} cancelled",
-                        report.completed, report.failed, report.cancelled
-                    ),
-                ),
-                (
-                    "bids / declines / awards",
-                    format!("{} / {} / {}", report.bids, report.declines, report.awards),
-                ),
-                (
-                    "leases / retries",
-                    format!("{} / {}", report.leases, report.retries),
-                ),
-                (
-                    "refused",
-                    format!(
-                        "{} stale epochs, {} busy",
-                        report.stale_refused, report.busy_refused
-                    ),
-                ),
-                (
-                    "messages",
-                    format!("{} ({} lost)", report.messages, report.dropped),
-                ),
-                (
-                    "money",
-                    format!(
-                        "budget {} = spent {} + refunded {}",
-                        report.budget, report.spent, report.refunded
-                    ),
-                ),
-                (
-                    "virtual time",
-                    format!("{:.1} min", report.virtual_ms as f64 / 60_000.0),
-                ),
-                (
-                    "wall time",
-                    format!(
-                        "{:.2} s ({:.0} offers/s, {} events)",
-                        wall.as_secs_f64(),
-                        offers_per_sec,
-                        report.events
-                    ),
-                ),
-                (
+            print_sim(&report, wall)?;
+            if let Some(placement) = placement {
+                output::table(&[(
                     "placement",
                     format!(
                         "{} ads: match+explain {} us, place group of 4 on {} bids {} us (median of {})",
@@ -149,8 +145,34 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                         placement.place_us,
                         placement.reps
                     ),
+                )])?;
+            }
+            out!("invariants held")?;
+            Ok(())
+        }
+        TestnetCommand::Calibrate { out, dir, format } => {
+            let costs = crate::cmd::calibrate::run(&dir)?;
+            std::fs::write(&out, serde_json::to_string_pretty(&costs)? + "\n")
+                .with_context(|| format!("writing {}", out.display()))?;
+            if format.json {
+                return output::json(&costs);
+            }
+            output::table(&[
+                (
+                    "offer in (per node, real processes)",
+                    format!("{:.1} us", costs.offer_in_us),
                 ),
-                ("invariants", "held".to_string()),
+                ("offer submitted", format!("{:.1} us", costs.submit_us)),
+                ("message signed", format!("{:.1} us", costs.sign_us)),
+                ("bid in", format!("{:.1} us", costs.bid_in_us)),
+                (
+                    "other directed message in",
+                    format!("{:.1} us", costs.directed_in_us),
+                ),
+                ("answer in", format!("{:.1} us", costs.answer_in_us)),
+                ("durable write", format!("{:.1} us", costs.persist_us)),
+                ("measured", costs.measured.clone()),
+                ("written to", out.display().to_string()),
             ])?;
             Ok(())
         }
@@ -222,11 +244,11 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 (
                     "job to every other node",
                     format!(
-                        "group of {}: submit to all leases {} ms (bid window {} ms + {} ms placing and leasing)",
+                        "group of {} placed early: submit to all leases {} ms ({} ms to the last needed bid, {} ms from it to every lease)",
                         r.job_group,
                         r.job_submit_to_leases_ms,
-                        r.job_bid_window_ms,
-                        r.job_after_window_ms
+                        r.job_submit_to_placed_ms,
+                        r.job_placed_to_leases_ms
                     ),
                 ),
                 (
@@ -240,5 +262,153 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             ])?;
             Ok(())
         }
+    }
+}
+
+fn print_sim(report: &sim::SimReport, wall: Duration) -> anyhow::Result<()> {
+    output::table(&[
+        (
+            "nodes / offers",
+            format!(
+                "{} / {} ({:.0} offers/s of virtual time)",
+                report.nodes, report.offers, report.offer_rate
+            ),
+        ),
+        (
+            "jobs",
+            format!(
+                "{} completed, {} failed, {} cancelled; {:.1}% placed before the deadline",
+                report.completed,
+                report.failed,
+                report.cancelled,
+                report.placed_share * 100.0
+            ),
+        ),
+        (
+            "bids per offer",
+            format!(
+                "p50 {:.0}, p99 {:.0}, max {:.0}",
+                report.bids_per_offer.p50, report.bids_per_offer.p99, report.bids_per_offer.max
+            ),
+        ),
+        (
+            "price against all bids",
+            if report.price_samples == 0 {
+                "not sampled".to_string()
+            } else {
+                format!(
+                    "p50 {:.3}x, p99 {:.3}x ({} placements)",
+                    report.price_ratio.p50, report.price_ratio.p99, report.price_samples
+                )
+            },
+        ),
+        (
+            "submit to leased",
+            format!(
+                "p50 {:.0} ms, p99 {:.0} ms",
+                report.placement_ms.p50, report.placement_ms.p99
+            ),
+        ),
+        (
+            "bids / declines / awards",
+            format!("{} / {} / {}", report.bids, report.declines, report.awards),
+        ),
+        (
+            "leases / retries / widened",
+            format!(
+                "{} / {} / {}",
+                report.leases, report.retries, report.widened
+            ),
+        ),
+        (
+            "refused",
+            format!(
+                "{} stale epochs, {} busy",
+                report.stale_refused, report.busy_refused
+            ),
+        ),
+        (
+            "cpu",
+            format!(
+                "offers take {:.1}% of every node ({} offer shards, {:.1}% reached per offer); busiest node {:.1}%{}",
+                report.offer_cpu * 100.0,
+                report.offer_shards,
+                report.offer_reach * 100.0,
+                report.busiest_cpu * 100.0,
+                if report.overloaded {
+                    "; OVERLOADED, stopped"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        (
+            "messages",
+            format!("{} ({} lost)", report.messages, report.dropped),
+        ),
+        (
+            "money",
+            format!(
+                "budget {} = spent {} + refunded {}",
+                report.budget, report.spent, report.refunded
+            ),
+        ),
+        (
+            "virtual / wall time",
+            format!(
+                "{:.1} min / {:.2} s ({} engine calls)",
+                report.virtual_ms as f64 / 60_000.0,
+                wall.as_secs_f64(),
+                report.events
+            ),
+        ),
+    ])?;
+    Ok(())
+}
+
+/// `testnet sim --find-capacity`: the highest rate the network sustains.
+fn capacity(
+    nodes: usize,
+    duration: u64,
+    costs: &sim::Costs,
+    shards: Option<u32>,
+    seed: u64,
+    format: &Format,
+) -> anyhow::Result<()> {
+    let json = format.json;
+    let steps = sim::find_capacity(nodes, duration, costs, shards, seed, |s| {
+        if !json {
+            let _ = out!(
+                "{:>8.0} offers/s: {:5.1}% placed, bids/offer p50 {:.0} p99 {:.0}, busiest cpu {:.0}%, {:.1} s wall",
+                s.rate,
+                s.placed_share * 100.0,
+                s.report.bids_per_offer.p50,
+                s.report.bids_per_offer.p99,
+                s.report.busiest_cpu * 100.0,
+                s.wall_ms as f64 / 1000.0
+            );
+        }
+    })?;
+    let best = steps
+        .iter()
+        .filter(|s| s.placed_share >= sim::SUSTAINED)
+        .max_by(|a, b| a.rate.total_cmp(&b.rate));
+    if json {
+        return output::json(&serde_json::json!({
+            "nodes": nodes,
+            "capacity": best.map(|s| s.rate),
+            "steps": steps,
+        }));
+    }
+    match best {
+        Some(s) => {
+            out!(
+                "capacity: {:.0} offers/s on {nodes} nodes ({:.1}% placed before the deadline)",
+                s.rate,
+                s.placed_share * 100.0
+            )?;
+            print_sim(&s.report, Duration::from_millis(s.wall_ms))
+        }
+        None => Ok(out!("no rate tried was sustained")?),
     }
 }

@@ -15,6 +15,9 @@ use tracing::{debug, info, warn};
 use super::{Command, Node, now};
 use crate::swarm::{self, Topic};
 
+/// How long an ad waits for other changes before it is published.
+const AD_SETTLE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// What the machine looked like when last probed (off the driver: the probe reads /proc,
 /// the disk, and NVML, which can take long on a machine with GPUs).
 pub(crate) struct Probe {
@@ -33,17 +36,17 @@ impl Node {
         else {
             if let gossipsub::Event::Subscribed { peer_id, topic } = event {
                 debug!(peer = %peer_id, %topic, "peer subscribed");
-                if self.ad_unheard && Topic::from_hash(&topic) == Some(Topic::Ads) {
+                if self.ad_unheard && self.topics.from_hash(&topic) == Some(Topic::Ads) {
                     // Our ad went out to nobody: now somebody listens.
-                    self.publish_ad_now();
+                    self.publish_ad_soon();
                 }
             }
             return;
         };
         let (now_ms, now_us) = now();
-        // Strict validation mode: gossipsub has checked that `source` signed the message.
+        // The author gossipsub names; the market requires it to be the envelope's signer.
         let source = message.source.as_ref().and_then(swarm::address_of);
-        let topic = Topic::from_hash(&message.topic);
+        let topic = self.topics.from_hash(&message.topic);
         self.next_gossip += 1;
         let id = GossipId(self.next_gossip);
         let origin = Origin::Gossip(id);
@@ -63,18 +66,20 @@ impl Node {
                     Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
                 }
             }
-            (Some(Topic::Offers), Some(source)) => match decode_gossip::<JobOffer>(&message.data) {
-                Ok(item) => self.market.handle(
-                    now_ms,
-                    Input::Offer(Heard {
-                        origin,
-                        source: Some(source),
-                        received_us: now_us,
-                        item: Arc::new(item),
-                    }),
-                ),
-                Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
-            },
+            (Some(Topic::Offers { .. }), Some(source)) => {
+                match decode_gossip::<JobOffer>(&message.data) {
+                    Ok(item) => self.market.handle(
+                        now_ms,
+                        Input::Offer(Heard {
+                            origin,
+                            source: Some(source),
+                            received_us: now_us,
+                            item: Arc::new(item),
+                        }),
+                    ),
+                    Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
+                }
+            }
             (Some(Topic::Blocks), Some(source)) => {
                 let verdict = on_block(&message.data, &source);
                 self.on_verdict(origin, verdict);
@@ -167,6 +172,13 @@ impl Node {
         });
     }
 
+    /// Publishes the ad in a moment (what changes meanwhile goes into the same ad).
+    pub(super) fn publish_ad_soon(&mut self) {
+        if self.ad_due.is_none() {
+            self.ad_due = Some(tokio::time::Instant::now() + AD_SETTLE);
+        }
+    }
+
     /// Publishes the ad again from the last probe, if there is one yet.
     pub(super) fn publish_ad_now(&mut self) {
         if self.probe.is_none() {
@@ -184,19 +196,30 @@ impl Node {
             .as_ref()
             .context("the machine has not been probed yet")?;
         let (now_ms, now_us) = now();
-        let challenges = self.market.passes_for_ad(probe.hardware.cpu_cores);
         let (runtimes, collectives) = self.software.clone().unwrap_or_default();
+        // The ad offers what the executor admits: the owner's limits (within the
+        // administrator's ceilings) cap what the probe found.
+        let mut hardware = probe.hardware.clone();
         let isolation = match self.executor.borrow().as_deref() {
-            Some(Ok(ex)) => ex.layers().to_vec(),
+            Some(Ok(ex)) => {
+                let (limits, _) = ex.limits();
+                let cores = u32::try_from(limits.cpu_millicores.div_ceil(1000)).unwrap_or(u32::MAX);
+                hardware.cpu_cores = hardware.cpu_cores.min(cores.max(1));
+                hardware.memory_bytes = hardware.memory_bytes.min(limits.memory_bytes);
+                hardware.swap_bytes = hardware.swap_bytes.min(limits.swap_bytes);
+                hardware.storage_bytes = hardware.storage_bytes.min(limits.storage_bytes);
+                ex.layers().to_vec()
+            }
             _ => Vec::new(),
         };
+        let challenges = self.market.passes_for_ad(hardware.cpu_cores);
         let ad = CapabilityAd {
             node: self.address,
             seq: self.store.next_seq("ad", now_ms.0)?,
             issued_at: now_ms,
             expires_at: now_ms.plus_ms(self.config.gossip.ad_ttl_secs.saturating_mul(1000)),
             delivery: self.keys.delivery.recipient(),
-            hardware: probe.hardware.clone(),
+            hardware,
             os: probe.os.clone(),
             runtimes,
             adapters: vec![AdapterKind::Synthetic],
@@ -238,13 +261,19 @@ impl Node {
             return;
         }
         let handed_over_us = now().1;
-        match self.gossip_publish(Topic::Offers, bytes) {
-            Ok(_) => {
-                info!(%job, "offer published");
-                self.published_at.insert(job, handed_over_us);
+        // On the topic of every shard its calls reach (one topic when offers are not
+        // sharded).
+        let topics = self.topics.of_offer(&offer);
+        let mut heard = 0;
+        for topic in &topics {
+            match self.gossip_publish(*topic, bytes.clone()) {
+                Ok(true) => heard += 1,
+                Ok(false) => {}
+                Err(e) => warn!(%job, ?topic, error = %format!("{e:#}"), "offer not gossiped"),
             }
-            Err(e) => warn!(%job, error = %format!("{e:#}"), "offer not gossiped"),
         }
+        info!(%job, topics = topics.len(), heard, "offer published");
+        self.published_at.insert(job, handed_over_us);
     }
 
     /// Gossips a message. Having no peers yet is fine: peers that connect later get it
@@ -254,7 +283,7 @@ impl Node {
             .swarm
             .behaviour_mut()
             .gossipsub
-            .publish(topic.ident(), bytes)
+            .publish(self.topics.ident(topic), bytes)
         {
             Ok(_) => Ok(true),
             Err(gossipsub::PublishError::NoPeersSubscribedToTopic) => {
@@ -289,5 +318,50 @@ fn on_block(bytes: &[u8], source: &cannabis_protocol::Address) -> Verdict {
                 reason: e.to_string(),
             },
         )),
+    }
+}
+
+impl Node {
+    /// With sharded offers, a node must reach each shard's topic to publish on it: for a
+    /// shard none of its peers listens to, it dials a node whose ad places it there. A few
+    /// dials per shard at most, every ten seconds.
+    pub(super) fn reach_every_shard(&mut self) {
+        let shards = self.topics.shards();
+        if shards <= 1 {
+            return;
+        }
+        let mut heard: std::collections::BTreeSet<u32> = std::collections::BTreeSet::new();
+        for (_, topics) in self.swarm.behaviour().gossipsub.all_peers() {
+            for hash in topics {
+                if let Some(Topic::Offers { shard }) = self.topics.from_hash(hash) {
+                    heard.insert(shard);
+                }
+            }
+        }
+        let me = self.address;
+        let mut dial = Vec::new();
+        for shard in (0..shards).filter(|s| !heard.contains(s)) {
+            let in_shard = self
+                .market
+                .view()
+                .ads()
+                .map(|e| e.ad().node)
+                .filter(|a| {
+                    *a != me
+                        && cannabis_protocol::draw::shard_of(
+                            cannabis_protocol::draw::worker_point(a),
+                            shards,
+                        ) == shard
+                })
+                .take(2);
+            dial.extend(in_shard.filter_map(|a| swarm::peer_of(&a)));
+        }
+        for peer in dial {
+            if !self.swarm.is_connected(&peer)
+                && let Err(e) = self.swarm.dial(peer)
+            {
+                debug!(%peer, error = %e, "cannot dial a peer of an unheard shard");
+            }
+        }
     }
 }

@@ -14,7 +14,7 @@ use libp2p::{
 };
 
 use super::codec::Codec;
-use super::topics::{self, Topic};
+use super::topics;
 use crate::config::NodeConfig;
 
 /// Protocol id of the market protocol (bids, awards, leases, cancellation, ping).
@@ -44,7 +44,7 @@ pub struct Behaviour {
     pub(crate) identify: identify::Behaviour,
     pub(crate) ping: ping::Behaviour,
     pub(crate) mdns: Toggle<mdns::tokio::Behaviour>,
-    pub(crate) autonat: autonat::Behaviour,
+    pub(crate) autonat: Toggle<autonat::Behaviour>,
     pub(crate) relay_client: relay::client::Behaviour,
     pub(crate) relay_server: Toggle<relay::Behaviour>,
     pub(crate) dcutr: dcutr::Behaviour,
@@ -68,21 +68,29 @@ impl Behaviour {
             .with_max_pending_incoming(Some(config.limits.max_pending_incoming))
             .with_max_pending_outgoing(Some(config.limits.max_pending_outgoing));
 
+        // Every gossiped payload is a signed envelope the market checks, so gossipsub's own
+        // signature would be a second check of the same author on every hop: messages carry
+        // their author's peer id unsigned (the market rejects one whose author is not the
+        // envelope's signer).
         let mut gossipsub = gossipsub::Behaviour::new(
-            gossipsub::MessageAuthenticity::Signed(key.clone()),
+            gossipsub::MessageAuthenticity::Author(peer_id),
             gossip_config(config)?,
         )?;
-        let (params, thresholds) = topics::peer_score(config.gossip.ip_colocation_threshold);
+        let topics = topics::Topics::new(config.gossip.offer_shards);
+        let (params, thresholds) =
+            topics::peer_score(config.gossip.ip_colocation_threshold, &topics);
         gossipsub.with_peer_score(params, thresholds)?;
-        for topic in Topic::ALL {
-            gossipsub.subscribe(&topic.ident())?;
+        let me = address_of(&peer_id).ok_or("the node's key is not an ed25519 key")?;
+        for topic in topics.own(&me) {
+            gossipsub.subscribe(&topics.ident(topic))?;
         }
 
-        let mut kad = kad::Behaviour::with_config(
-            peer_id,
-            kad::store::MemoryStore::new(peer_id),
-            kad::Config::new(KAD_PROTOCOL),
-        );
+        // Lookups ask 8 peers, not 20: a node needs a handful of connections for gossip,
+        // and every peer a lookup asks is a connection (see `trim_connections`).
+        let mut kad_config = kad::Config::new(KAD_PROTOCOL);
+        kad_config.set_replication_factor(std::num::NonZeroUsize::MIN.saturating_add(7));
+        let mut kad =
+            kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_config);
         kad.set_mode(Some(kad::Mode::Server));
 
         let identify = identify::Behaviour::new(
@@ -97,6 +105,14 @@ impl Behaviour {
         } else {
             None
         };
+        let loopback_only = !config.listen.is_empty()
+            && config.listen.iter().all(|a| {
+                a.iter().any(|p| match p {
+                    libp2p::multiaddr::Protocol::Ip4(ip) => ip.is_loopback(),
+                    libp2p::multiaddr::Protocol::Ip6(ip) => ip.is_loopback(),
+                    _ => false,
+                })
+            });
         let relay_server = config
             .relay_server
             .then(|| relay::Behaviour::new(peer_id, relay::Config::default()));
@@ -109,7 +125,11 @@ impl Behaviour {
             identify,
             ping: ping::Behaviour::new(ping::Config::new()),
             mdns: mdns.into(),
-            autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+            // AutoNAT asks peers to dial this node back to learn whether it is reachable:
+            // pointless (and a connection per probe) when it listens on loopback only.
+            autonat: (!loopback_only)
+                .then(|| autonat::Behaviour::new(peer_id, autonat::Config::default()))
+                .into(),
             relay_client,
             relay_server: relay_server.into(),
             dcutr: dcutr::Behaviour::new(peer_id),
@@ -141,10 +161,14 @@ fn gossip_config(config: &NodeConfig) -> Result<gossipsub::Config, BoxError> {
     }
     Ok(gossipsub::ConfigBuilder::default()
         .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
-        .validation_mode(gossipsub::ValidationMode::Strict)
+        .validation_mode(gossipsub::ValidationMode::Permissive)
         .validate_messages()
+        // The topic is part of the id: an offer gossiped on several shards' topics is one
+        // message per topic.
         .message_id_fn(|m: &gossipsub::Message| {
-            gossipsub::MessageId::from(cannabis_protocol::Digest::of(&m.data).0.to_vec())
+            let id =
+                cannabis_protocol::Digest::of_parts(&[m.topic.as_str().as_bytes(), &[0], &m.data]);
+            gossipsub::MessageId::from(id.0.to_vec())
         })
         .max_transmit_size(MAX_TRANSMIT_SIZE)
         .flood_publish(true)

@@ -7,37 +7,103 @@ use std::time::Duration;
 use libp2p::gossipsub::{self, IdentTopic, PeerScoreParams, PeerScoreThresholds, TopicScoreParams};
 
 /// The gossip topics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Topic {
     /// Signed capability ads.
     Ads,
-    /// Signed job offers.
-    Offers,
+    /// Signed job offers, one topic per shard of the draw's ring (see docs/protocol.md,
+    /// "Gossip topics").
+    Offers {
+        /// The shard.
+        shard: u32,
+    },
     /// Ledger blocks.
     Blocks,
 }
 
-impl Topic {
-    /// Every topic a node subscribes to.
-    pub const ALL: [Topic; 3] = [Topic::Ads, Topic::Offers, Topic::Blocks];
+/// The topics of a network with `shards` offer shards.
+#[derive(Clone, Debug)]
+pub struct Topics {
+    shards: u32,
+    by_hash: HashMap<gossipsub::TopicHash, Topic>,
+}
+
+impl Topics {
+    /// The topics of a network whose offers travel on `shards` topics (a power of two, at
+    /// most [`cannabis_protocol::draw::MAX_SHARDS`]).
+    pub fn new(shards: u32) -> Self {
+        let shards = shards.clamp(1, cannabis_protocol::draw::MAX_SHARDS);
+        let mut t = Self {
+            shards,
+            by_hash: HashMap::new(),
+        };
+        let all = [Topic::Ads, Topic::Blocks]
+            .into_iter()
+            .chain((0..shards).map(|shard| Topic::Offers { shard }));
+        for topic in all {
+            t.by_hash.insert(t.ident(topic).hash(), topic);
+        }
+        t
+    }
+
+    /// Offer shards.
+    pub fn shards(&self) -> u32 {
+        self.shards
+    }
 
     /// The topic's name on the wire.
-    pub fn name(self) -> &'static str {
-        match self {
-            Topic::Ads => "cannabis/capability-ads/v1",
-            Topic::Offers => "cannabis/job-offers/v1",
-            Topic::Blocks => "cannabis/ledger-blocks/v1",
+    pub fn name(&self, topic: Topic) -> String {
+        match topic {
+            Topic::Ads => "cannabis/capability-ads/v1".into(),
+            Topic::Offers { .. } if self.shards == 1 => "cannabis/job-offers/v1".into(),
+            Topic::Offers { shard } => format!("cannabis/job-offers/v1/{}/{shard}", self.shards),
+            Topic::Blocks => "cannabis/ledger-blocks/v1".into(),
         }
     }
 
     /// The gossipsub topic.
-    pub fn ident(self) -> IdentTopic {
-        IdentTopic::new(self.name())
+    pub fn ident(&self, topic: Topic) -> IdentTopic {
+        IdentTopic::new(self.name(topic))
     }
 
     /// The topic a hash belongs to.
-    pub fn from_hash(hash: &gossipsub::TopicHash) -> Option<Topic> {
-        Topic::ALL.into_iter().find(|t| t.ident().hash() == *hash)
+    pub fn from_hash(&self, hash: &gossipsub::TopicHash) -> Option<Topic> {
+        self.by_hash.get(hash).copied()
+    }
+
+    /// The topics node `me` subscribes to: ads, blocks, and the offers of its own shard.
+    pub fn own(&self, me: &cannabis_protocol::Address) -> [Topic; 3] {
+        let point = cannabis_protocol::draw::worker_point(me);
+        [
+            Topic::Ads,
+            Topic::Offers {
+                shard: cannabis_protocol::draw::shard_of(point, self.shards),
+            },
+            Topic::Blocks,
+        ]
+    }
+
+    /// The topics an offer is gossiped on: the shards its calls reach.
+    pub fn of_offer(&self, offer: &cannabis_protocol::JobOffer) -> Vec<Topic> {
+        let mut shards: Vec<u32> = offer
+            .calls
+            .iter()
+            .enumerate()
+            .flat_map(|(t, call)| {
+                cannabis_protocol::draw::reached_shards(call, &offer.job_id, t as u32, self.shards)
+            })
+            .collect();
+        shards.sort_unstable();
+        shards.dedup();
+        shards
+            .into_iter()
+            .map(|shard| Topic::Offers { shard })
+            .collect()
+    }
+
+    /// Every topic of the network.
+    pub fn all(&self) -> impl Iterator<Item = (&gossipsub::TopicHash, &Topic)> {
+        self.by_hash.iter()
     }
 }
 
@@ -46,7 +112,10 @@ impl Topic {
 /// penalty decays (to 30% each second, to zero within about 10 s for a single offence,
 /// longer for repeated ones: the penalty is the square of the count). Honest peers never
 /// forward an invalid message, because every node validates before forwarding.
-pub fn peer_score(ip_colocation_threshold: f64) -> (PeerScoreParams, PeerScoreThresholds) {
+pub fn peer_score(
+    ip_colocation_threshold: f64,
+    topics: &Topics,
+) -> (PeerScoreParams, PeerScoreThresholds) {
     let topic = |weight: f64| TopicScoreParams {
         topic_weight: weight,
         // P1: a small bonus for staying in the mesh.
@@ -66,12 +135,11 @@ pub fn peer_score(ip_colocation_threshold: f64) -> (PeerScoreParams, PeerScoreTh
         invalid_message_deliveries_decay: 0.3,
         ..TopicScoreParams::default()
     };
-    let mut topics = HashMap::new();
-    topics.insert(super::topics::Topic::Ads.ident().hash(), topic(1.0));
-    topics.insert(super::topics::Topic::Offers.ident().hash(), topic(1.0));
-    topics.insert(super::topics::Topic::Blocks.ident().hash(), topic(1.0));
     let params = PeerScoreParams {
-        topics,
+        topics: topics
+            .all()
+            .map(|(hash, _)| (hash.clone(), topic(1.0)))
+            .collect(),
         topic_score_cap: 100.0,
         // P5: the node's own verdicts on directed requests (undecodable, oversized).
         app_specific_weight: 1.0,

@@ -5,7 +5,7 @@
 use std::io;
 use std::time::Duration;
 
-use cannabis_node::swarm::{MARKET_PROTOCOL, Topic};
+use cannabis_node::swarm::{MARKET_PROTOCOL, Topic, Topics};
 use cannabis_protocol::{CapabilityAd, Keypair, Signed, Timestamp};
 use futures::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, StreamExt as _};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
@@ -137,11 +137,13 @@ async fn a_hostile_peer_is_rejected_and_honest_traffic_flows() {
 
     let mut hostile = hostile_swarm();
     let hostile_id = *hostile.local_peer_id();
-    for t in [Topic::Ads, Topic::Offers] {
+    let topics = Topics::new(1);
+    let offers = Topic::Offers { shard: 0 };
+    for t in [Topic::Ads, offers] {
         hostile
             .behaviour_mut()
             .gossipsub
-            .subscribe(&t.ident())
+            .subscribe(&topics.ident(t))
             .unwrap();
     }
     hostile.dial(a.addr.clone()).unwrap();
@@ -166,7 +168,7 @@ async fn a_hostile_peer_is_rejected_and_honest_traffic_flows() {
     let last = forged_sig.len() - 1;
     forged_sig[last] ^= 0x01;
     let attacks: Vec<(&str, Topic, Vec<u8>)> = vec![
-        ("garbage", Topic::Offers, b"definitely not cbor".to_vec()),
+        ("garbage", offers, b"definitely not cbor".to_vec()),
         ("oversized", Topic::Ads, vec![0x82; 100 * 1024]),
         ("forged signature", Topic::Ads, forged_sig),
         // Validly signed by someone else, published by the hostile peer.
@@ -185,7 +187,7 @@ async fn a_hostile_peer_is_rejected_and_honest_traffic_flows() {
         hostile
             .behaviour_mut()
             .gossipsub
-            .publish(topic.ident(), bytes)
+            .publish(topics.ident(topic), bytes)
             .unwrap_or_else(|e| panic!("publishing {what}: {e}"));
     }
     // Oversized and undecodable directed requests.

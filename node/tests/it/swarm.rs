@@ -221,6 +221,15 @@ async fn a_restart_keeps_the_live_market() {
         .await
         .unwrap();
     let gone = node.handle.publish_offer(net::offer(1_500)).await.unwrap();
+    // Its own ad goes out once the machine is probed (and the next moment's changes
+    // are in it).
+    let h = node.handle.clone();
+    net::wait_for(Duration::from_secs(10), "its own ad", || {
+        let h = h.clone();
+        async move { (h.status().await.ok()?.ads >= 1).then_some(()) }
+    })
+    .await;
+    drop(h);
     node.stop().await;
     tokio::time::sleep(Duration::from_millis(1_600)).await;
 
@@ -455,4 +464,59 @@ async fn a_node_challenges_a_peer_over_the_network() {
     b.stop().await;
     c.stop().await;
     a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_offers_reach_every_worker_their_calls_can_draw() {
+    // Four offer shards: each node listens to its own shard's topic only, and an offer
+    // whose call reaches everyone is gossiped on all four.
+    let dir = tempfile::tempdir().unwrap();
+    let config = |bootstrap: Option<&libp2p::Multiaddr>| {
+        let mut c = net::config(bootstrap);
+        c.gossip.offer_shards = 4;
+        c
+    };
+    let first = net::start_with(&dir.path().join("n0"), config(None)).await;
+    let mut nodes = vec![first];
+    for i in 1..6 {
+        let n = net::start_with(
+            &dir.path().join(format!("n{i}")),
+            config(Some(&nodes[0].addr)),
+        )
+        .await;
+        nodes.push(n);
+    }
+    for n in &nodes {
+        let h = n.handle.clone();
+        wait_for(Duration::from_secs(30), "every ad", || {
+            let h = h.clone();
+            async move { (h.status().await.ok()?.ads >= 6).then_some(()) }
+        })
+        .await;
+        let status = n.handle.status().await.unwrap();
+        let offer_topics: Vec<&str> = status
+            .mesh_peers
+            .iter()
+            .map(|t| t.topic.as_str())
+            .filter(|t| t.starts_with("cannabis/job-offers/v1/4/"))
+            .collect();
+        assert_eq!(offer_topics.len(), 1, "{status:?}");
+    }
+    let job = nodes[0]
+        .handle
+        .submit_job(net::offer(60_000))
+        .await
+        .unwrap();
+    let id: cannabis_protocol::Uuid = job.job_id.parse().unwrap();
+    let h = nodes[0].handle.clone();
+    let detail = wait_for(Duration::from_secs(30), "a bid from every worker", || {
+        let h = h.clone();
+        async move { h.job(id).await.ok().filter(|j| j.tasks[0].bids.len() == 5) }
+    })
+    .await;
+    drop(h);
+    assert_eq!(detail.tasks[0].bids.len(), 5);
+    for n in nodes {
+        n.stop().await;
+    }
 }

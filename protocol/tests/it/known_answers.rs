@@ -109,3 +109,31 @@ fn synthetic_task_hash_is_pinned() {
     let t = synthetic::SyntheticTask::new(Digest::of(b"seed"), 64).unwrap();
     assert_eq!(t.run().to_string(), SYNTHETIC_64);
 }
+
+/// The bid draw (docs/protocol.md, "Bid draw"), checked against Python's `hashlib` and
+/// `cryptography` when recorded.
+#[test]
+fn the_bid_draw_is_pinned() {
+    use cannabis_protocol::draw;
+    let job: Uuid = "550e8400-e29b-41d4-a716-446655440000".parse().unwrap();
+    let task = draw::task_point(&job, 0);
+    let worker = draw::worker_point(&keys().address());
+    assert_eq!(task, 0xa585_42b2_f420_5b98);
+    assert_eq!(worker, 0xc9b6_5bdd_929b_7ac1);
+    assert_eq!(draw::distance(task, worker), 2_607_893_330_062_417_705);
+    assert_eq!(draw::weight(Amount(1_000), Amount(2_000)), 1_024);
+    assert_eq!(draw::threshold(1_000_000, 1_024), 73_786_976_294_838_206);
+    let call = BidCall {
+        target: 8,
+        odds_ppb: 1_000_000,
+        ref_price: Amount(2_000),
+    };
+    assert!(!draw::drawn(
+        &call,
+        &job,
+        0,
+        &keys().address(),
+        Amount(1_000)
+    ));
+    assert_eq!(draw::shard_of(task, 16), 10);
+}
