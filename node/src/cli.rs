@@ -348,6 +348,11 @@ pub(crate) enum TestnetCommand {
         /// shard per 500 to 1,000 nodes).
         #[arg(long)]
         offer_shards: Option<u32>,
+        /// Nodes that publish offers (default: one in 25 for the mixed workload; for
+        /// capacity, one in 50, at most 200). Each holds every ad, so at 100,000 nodes
+        /// memory asks for fewer.
+        #[arg(long)]
+        requesters: Option<usize>,
         /// Seed; the same seed gives the same run.
         #[arg(long, default_value_t = 1)]
         seed: u64,

@@ -41,9 +41,16 @@ use crate::swarm::{self, Behaviour, BehaviourEvent};
 
 /// Connections a node keeps open to peers it discovers, so that gossip meshes can form.
 const TARGET_PEERS: usize = 16;
+/// How long a connection is kept before it may be trimmed (see `trim_connections`).
+const TRIM_GRACE: Duration = Duration::from_secs(30);
 
 /// Peers a node asks for the live market after it starts.
 const SYNC_PEERS: usize = 3;
+
+/// When (after its start) a node asks one more peer for the live market: gossip sent
+/// while the network was still forming may have missed it, and the next copy of an ad
+/// comes only with its refresh minutes later.
+const CATCH_UP_SECS: [u64; 4] = [10, 30, 70, 150];
 
 /// Most events taken in one turn of the loop before the engine's outputs are drained.
 const BATCH: usize = 64;
@@ -132,6 +139,15 @@ pub(crate) type Software = (
     Vec<cannabis_protocol::Collective>,
 );
 
+/// One open connection to a peer.
+struct Link {
+    id: libp2p::swarm::ConnectionId,
+    addr: Multiaddr,
+    /// Whether this node dialed it.
+    dialed: bool,
+    since: tokio::time::Instant,
+}
+
 /// A sync page being fed to the engine: who sent it and what its items got.
 #[derive(Default)]
 struct SyncTally {
@@ -176,11 +192,13 @@ pub(crate) struct Node {
     next_sync: u64,
     /// Peers asked for the live market since start.
     syncs_started: usize,
+    /// Catch-up syncs done (see `CATCH_UP_SECS`).
+    catch_ups: usize,
     /// When each offer this node published was handed to gossip, µs (for the API).
     published_at: HashMap<cannabis_protocol::Uuid, u64>,
     ping_rtt: HashMap<PeerId, Duration>,
-    /// Each peer's open connections: id, remote address, whether this node dialed it.
-    connections: HashMap<PeerId, Vec<(libp2p::swarm::ConnectionId, Multiaddr, bool)>>,
+    /// Each peer's open connections.
+    connections: HashMap<PeerId, Vec<Link>>,
     /// Peers this node is dialing for discovery, not yet connected: they count against
     /// the connections it aims for, or a burst of discoveries dials everyone.
     dialing: std::collections::HashSet<PeerId>,
@@ -274,6 +292,7 @@ pub async fn start(
         sync: HashMap::new(),
         next_sync: 0,
         syncs_started: 0,
+        catch_ups: 0,
         published_at: HashMap::new(),
         ping_rtt: HashMap::new(),
         connections: HashMap::new(),
@@ -423,6 +442,7 @@ impl Node {
                     self.publish_ad_now();
                 }
                 _ = upkeep.tick() => {
+                    self.catch_up();
                     self.reach_every_shard();
                     self.trim_connections();
                 }
@@ -742,7 +762,7 @@ impl Node {
                 addrs: self
                     .connections
                     .get(peer)
-                    .map(|c| c.iter().map(|(_, a, _)| a.to_string()).collect())
+                    .map(|c| c.iter().map(|l| l.addr.to_string()).collect())
                     .unwrap_or_default(),
                 score: gossipsub.peer_score(peer).unwrap_or(0.0),
                 ping_us: self
@@ -792,11 +812,12 @@ impl Node {
             } => {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
                 self.dialing.remove(&peer_id);
-                self.connections.entry(peer_id).or_default().push((
-                    connection_id,
-                    endpoint.get_remote_address().clone(),
-                    endpoint.is_dialer(),
-                ));
+                self.connections.entry(peer_id).or_default().push(Link {
+                    id: connection_id,
+                    addr: endpoint.get_remote_address().clone(),
+                    dialed: endpoint.is_dialer(),
+                    since: tokio::time::Instant::now(),
+                });
                 // A node that just started asks its first few peers for the live market;
                 // gossip brings the rest. (Syncing the whole view with every peer made a
                 // 100-node testnet spend most of its start-up serving the same pages.)
@@ -813,7 +834,7 @@ impl Node {
                 ..
             } => {
                 if let Some(c) = self.connections.get_mut(&peer_id) {
-                    c.retain(|(id, _, _)| *id != connection_id);
+                    c.retain(|l| l.id != connection_id);
                 }
                 debug!(peer = %peer_id, remaining = num_established, cause = ?cause, "connection closed");
                 if num_established == 0 {
@@ -923,19 +944,46 @@ impl Node {
                 _ => None,
             })
             .collect();
+        // Connections get a moment first: while lookups run at start-up, cutting the ones
+        // they just made only makes the next lookup dial them again.
+        let settled = tokio::time::Instant::now()
+            .checked_sub(TRIM_GRACE)
+            .unwrap_or_else(tokio::time::Instant::now);
         let spare: Vec<PeerId> = connected
             .into_iter()
             .filter(|p| !meshed.contains(p) && !bootstrap.contains(p))
             .filter(|p| {
                 self.connections
                     .get(p)
-                    .is_some_and(|c| c.iter().all(|(_, _, dialed)| *dialed))
+                    .is_some_and(|c| c.iter().all(|l| l.dialed && l.since <= settled))
             })
             .collect();
         let excess = self.swarm.connected_peers().count() - limit;
         for peer in spare.into_iter().take(excess) {
             let _ = self.swarm.disconnect_peer_id(peer);
         }
+    }
+
+    /// Asks one connected peer (another each time) for the live market, at the times of
+    /// `CATCH_UP_SECS`.
+    fn catch_up(&mut self) {
+        let Some(due) = CATCH_UP_SECS.get(self.catch_ups) else {
+            return;
+        };
+        if self.started.elapsed() < Duration::from_secs(*due) {
+            return;
+        }
+        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        if peers.is_empty() {
+            return;
+        }
+        let turn = SYNC_PEERS + self.catch_ups;
+        self.catch_ups += 1;
+        // A different peer each time, without a random source: the peer list's order is
+        // the swarm's, and the turn walks through it.
+        let peer = peers[turn % peers.len()];
+        debug!(%peer, "catch-up sync");
+        self.start_sync(peer);
     }
 
     /// Lowers a peer's application score after a bad directed request or sync page.

@@ -42,10 +42,18 @@ pub struct BenchReport {
     pub receipts_seen: usize,
     /// Direct request-response round trip node 0 -> node 1, µs (the baseline).
     pub request_response_rtt_us: Summary,
-    /// Idle resident memory per node, KiB: mean.
+    /// Idle resident memory per node, KiB: mean. It counts the binary's pages, which
+    /// every node on the machine shares.
     pub rss_kib_mean: u64,
     /// Idle resident memory per node, KiB: largest.
     pub rss_kib_max: u64,
+    /// Idle proportional memory per node (shared pages split among their users), KiB:
+    /// mean. What one more node costs the machine.
+    pub pss_kib_mean: u64,
+    /// Idle proportional memory per node, KiB: largest.
+    pub pss_kib_max: u64,
+    /// Open connections per node when idle: mean.
+    pub peers_mean: f64,
     /// The job submitted from node 0 to every other node as one group, placed early (as
     /// soon as a bid from every rank is in): its size.
     pub job_group: u32,
@@ -141,10 +149,10 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let net = Testnet::up(&opts.testnet)?;
     let converge_timeout = Duration::from_secs(60 + 2 * opts.testnet.nodes as u64);
     net.wait_converged(converge_timeout)?;
+    let converged = Instant::now();
     let converge_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
-    // Let start-up work settle before measuring memory and latency.
+    // Let start-up work settle before measuring latency.
     std::thread::sleep(Duration::from_secs(2));
-    let rss = net.rss_kib();
 
     let origin = &net.nodes[0];
     let ping = origin
@@ -180,6 +188,22 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     }
     let seen = latencies.len();
     let (job_group, placed_ms, leases_ms) = time_job(&net)?;
+
+    // Idle: after the work, once the nodes have let go of the connections start-up made
+    // (they keep each for a grace period, then trim every ten seconds).
+    let idle_from = converged + Duration::from_secs(45);
+    std::thread::sleep(
+        idle_from
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(12)),
+    );
+    let memory = net.memory_kib();
+    let rss: Vec<u64> = memory.iter().map(|m| m.0).collect();
+    let pss: Vec<u64> = memory.iter().map(|m| m.1).collect();
+    let mut peers = 0usize;
+    for node in &net.nodes {
+        peers += node.client.status()?.connected_peers;
+    }
     Ok(BenchReport {
         job_group,
         job_submit_to_placed_ms: placed_ms,
@@ -194,5 +218,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         request_response_rtt_us: summarize(&mut rtt).context("no round trip measured")?,
         rss_kib_mean: rss.iter().sum::<u64>() / rss.len().max(1) as u64,
         rss_kib_max: rss.iter().copied().max().unwrap_or(0),
+        pss_kib_mean: pss.iter().sum::<u64>() / pss.len().max(1) as u64,
+        pss_kib_max: pss.iter().copied().max().unwrap_or(0),
+        peers_mean: peers as f64 / net.nodes.len().max(1) as f64,
     })
 }

@@ -180,6 +180,15 @@ impl Testnet {
     pub fn rss_kib(&self) -> Vec<u64> {
         self.nodes.iter().map(|n| rss_kib(n.info.pid)).collect()
     }
+
+    /// Each node's resident and proportional memory (shared pages split among the
+    /// processes that map them), KiB.
+    pub fn memory_kib(&self) -> Vec<(u64, u64)> {
+        self.nodes
+            .iter()
+            .map(|n| (rss_kib(n.info.pid), pss_kib(n.info.pid)))
+            .collect()
+    }
 }
 
 impl Drop for Testnet {
@@ -242,11 +251,20 @@ fn alive(pid: u32) -> bool {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    fs::read_to_string(format!("/proc/{pid}/status"))
+    proc_kib(&format!("/proc/{pid}/status"), "VmRSS:")
+}
+
+fn pss_kib(pid: u32) -> u64 {
+    proc_kib(&format!("/proc/{pid}/smaps_rollup"), "Pss:")
+}
+
+/// A `key: N kB` line of a `/proc` file, in KiB (0 when the process is gone).
+fn proc_kib(path: &str, key: &str) -> u64 {
+    fs::read_to_string(path)
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(key))
                 .and_then(|v| v.split_whitespace().next())
                 .and_then(|v| v.parse().ok())
         })

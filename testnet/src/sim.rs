@@ -1159,7 +1159,7 @@ pub fn find_capacity(
     nodes: usize,
     duration_s: u64,
     costs: &Costs,
-    shards: Option<u32>,
+    adjust: &dyn Fn(&mut SimConfig),
     seed: u64,
     mut progress: impl FnMut(&CapacityStep),
 ) -> Result<Vec<CapacityStep>, Violation> {
@@ -1170,9 +1170,7 @@ pub fn find_capacity(
         // rate costs no more wall time than one at the goal.
         let duration = duration_s.min((60_000.0 / rate).ceil() as u64).max(4);
         let mut config = SimConfig::capacity(nodes, rate, duration, costs.clone(), seed);
-        if let Some(shards) = shards {
-            config.offer_shards = shards;
-        }
+        adjust(&mut config);
         config.price_sample = (config.offers / 100).max(1);
         let report = run(config)?;
         let step = CapacityStep {

@@ -1,16 +1,25 @@
 //! `cannabis demo`: one job through the whole protocol, in-process, with every message
 //! signed, sent as wire bytes, decoded and verified by its receiver, and the money split
-//! checked for every outcome. Nothing here is simulated output: each line is the result of
-//! the real protocol code.
+//! checked for every outcome. The market part is two `Market` engines (the one every node
+//! and the simulator run), a requester's and a worker's, talking over that wire. Nothing
+//! here is simulated output: each line is the result of the real protocol code.
 
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context as _, ensure};
+use cannabis_market::job::Early;
+use cannabis_market::testkit::net::{Envelope, Node};
+use cannabis_market::{
+    Command as MarketCommand, CommandOk, Identity, Inbound, MarketConfig, MarketEvent,
+    OfferTemplate,
+};
 use cannabis_protocol::{
     AdapterKind, Amount, Award, Bid, Block, CapabilityAd, ComputeResult, Digest, EscrowLock,
-    FeeTerms, Hardware, JobOffer, Keypair, LeaseAccept, Message, NetworkLimits, OsInfo, Outcome,
-    PriceSheet, Quote, Requirements, Resources, Signed, Split, TaskSpec, Timestamp, Transaction,
-    TxPayload, Uuid, Verified, Workload, merkle, synthetic::SyntheticTask,
+    Hardware, JobOffer, Keypair, LeaseAccept, Message, NetworkLimits, OsInfo, Outcome, PriceSheet,
+    Quote, Received, Requirements, Resources, Signed, Split, TaskSpec, Timestamp, Transaction,
+    TxPayload, Verified, Workload, merkle, synthetic::SyntheticTask,
 };
 use serde::Serialize;
 
@@ -52,6 +61,121 @@ fn transmit<T: Message>(signer: &Keypair, body: &T) -> anyhow::Result<(Verified<
     Ok((verified, wire.len()))
 }
 
+/// The wire between the two engines: what is in flight, what crossed (kind and bytes),
+/// and the messages the later steps name.
+#[derive(Default)]
+struct Wire {
+    queue: VecDeque<Envelope>,
+    crossed: Vec<(&'static str, usize)>,
+    offer: Option<Received<JobOffer>>,
+    bid: Option<Received<Bid>>,
+    award: Option<Received<Award>>,
+    accept: Option<Received<LeaseAccept>>,
+}
+
+/// Encodes a signed message as its sender would and decodes it as its receiver would.
+fn over_the_wire<T: Message>(item: &Received<T>) -> anyhow::Result<(Received<T>, usize)> {
+    let bytes = item.signed.to_bytes();
+    let received = Signed::<T>::from_bytes(&bytes)
+        .with_context(|| format!("decoding the {}", T::KIND))?
+        .open()
+        .with_context(|| format!("opening the {}", T::KIND))?;
+    received
+        .check_signature()
+        .with_context(|| format!("verifying the {}", T::KIND))?;
+    Ok((received, bytes.len()))
+}
+
+impl Wire {
+    /// Delivers everything in flight, and what it causes, to the other engine.
+    fn run(
+        &mut self,
+        requester: &mut Node,
+        worker: &mut Node,
+        now: Timestamp,
+    ) -> anyhow::Result<()> {
+        // Bounded: one job between two nodes is a handful of messages.
+        for _ in 0..64 {
+            let Some(envelope) = self.queue.pop_front() else {
+                return Ok(());
+            };
+            let envelope = self.carry(envelope)?;
+            let receiver = if envelope.from() == requester.address() {
+                &mut *worker
+            } else {
+                &mut *requester
+            };
+            receiver.deliver(now, envelope);
+            let out = receiver.drain(now);
+            self.queue.extend(out);
+        }
+        anyhow::bail!("the engines kept talking past 64 messages")
+    }
+
+    /// Carries one envelope as bytes, noting what crossed.
+    fn carry(&mut self, envelope: Envelope) -> anyhow::Result<Envelope> {
+        Ok(match envelope {
+            Envelope::Ad { from, item } => {
+                let (item, n) = over_the_wire(&item)?;
+                self.crossed.push(("capability ad", n));
+                Envelope::Ad {
+                    from,
+                    item: Arc::new(item),
+                }
+            }
+            Envelope::Offer { from, item } => {
+                let (item, n) = over_the_wire(&item)?;
+                self.crossed.push(("job offer", n));
+                self.offer = Some(item.clone());
+                Envelope::Offer {
+                    from,
+                    item: Arc::new(item),
+                }
+            }
+            Envelope::Request { from, to, req, msg } => {
+                let msg = match *msg {
+                    Inbound::Bid(m) => {
+                        let (m, n) = over_the_wire(&m)?;
+                        self.crossed.push(("bid", n));
+                        self.bid = Some(m.clone());
+                        Inbound::Bid(m)
+                    }
+                    Inbound::Award(m) => {
+                        let (m, n) = over_the_wire(&m)?;
+                        self.crossed.push(("award", n));
+                        self.award = Some(m.clone());
+                        Inbound::Award(m)
+                    }
+                    Inbound::Accept(m) => {
+                        let (m, n) = over_the_wire(&m)?;
+                        self.crossed.push(("lease accept", n));
+                        self.accept = Some(m.clone());
+                        Inbound::Accept(m)
+                    }
+                    other => other,
+                };
+                Envelope::Request {
+                    from,
+                    to,
+                    req,
+                    msg: Box::new(msg),
+                }
+            }
+            response @ Envelope::Response { .. } => response,
+        })
+    }
+
+    /// The size of the last message of `kind` that crossed.
+    fn bytes(&self, kind: &str) -> anyhow::Result<usize> {
+        self.crossed
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, n)| *n)
+            .with_context(|| format!("no {kind} crossed the wire"))
+    }
+}
+
 fn key() -> anyhow::Result<Keypair> {
     Ok(Keypair::from_secret(*random_bytes::<32>()?))
 }
@@ -85,8 +209,32 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
     step(1, "", format!("worker    {}", worker.address()))?;
     step(1, "", format!("sequencer {}", sequencer.address()))?;
 
-    // 2. The worker advertises.
+    // 2-5. The market: the requester's and the worker's engines (the `Market` every node
+    // runs), with every message they send signed, carried as wire bytes, decoded and
+    // checked by the other.
+    let market_config = MarketConfig::default();
+    let mut requester_node = Node::new(
+        market_config.clone(),
+        Identity {
+            address: requester.address(),
+            delivery: cannabis_protocol::DeliveryIdentity::from_secret(*random_bytes::<32>()?)
+                .recipient(),
+        },
+        Some(requester.clone()),
+        now,
+    );
     let worker_delivery = cannabis_protocol::DeliveryIdentity::from_secret(*random_bytes::<32>()?);
+    let mut worker_node = Node::new(
+        market_config,
+        Identity {
+            address: worker.address(),
+            delivery: worker_delivery.recipient(),
+        },
+        Some(worker.clone()),
+        now,
+    );
+
+    // 2. The worker advertises: one core, priced 800,000 a core-hour.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
     let ad = CapabilityAd {
         node: worker.address(),
@@ -97,9 +245,9 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         hardware: Hardware {
             cpu_model: String::new(),
             cpu_cores: cores,
-            memory_bytes: 0,
+            memory_bytes: 1 << 30,
             swap_bytes: 0,
-            storage_bytes: 0,
+            storage_bytes: 1 << 30,
             gpus: Vec::new(),
         },
         os: OsInfo {
@@ -111,37 +259,33 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         collectives: Vec::new(),
         isolation: Vec::new(),
         network: NetworkLimits::default(),
-        prices: PriceSheet::default(),
+        prices: PriceSheet {
+            cpu_core_hour: Amount(800_000),
+            ..PriceSheet::default()
+        },
         attestation: None,
         challenges: Vec::new(),
     };
-    let (ad, ad_len) = transmit(&worker, &ad)?;
+    let mut wire = Wire::default();
+    let published = worker_node
+        .publish_ad(now, ad)
+        .context("the worker's engine did not keep its own ad")?;
+    wire.queue.push_back(published);
+    wire.run(&mut requester_node, &mut worker_node, now)?;
+    let ad_len = wire.bytes("capability ad")?;
     step(
         2,
         "capability ad",
-        format!(
-            "{ad_len} bytes, signature verified, {} cores, adapter synthetic",
-            ad.body.hardware.cpu_cores
-        ),
+        format!("{ad_len} bytes, signature verified, {cores} cores, adapter synthetic"),
     )?;
 
-    // 3. The requester offers a budgeted synthetic task.
+    // 3. The requester submits a budgeted synthetic task; its engine publishes the offer,
+    // placed as soon as one valid bid is in.
     let budget = Amount(1_000_000);
     let quote = Quote::for_budget(budget, cannabis_protocol::FOUNDER_FEE_BPS)?;
-    let requester_delivery =
-        cannabis_protocol::DeliveryIdentity::from_secret(*random_bytes::<32>()?);
-    let offer = JobOffer {
-        job_id: Uuid::from_random(*random_bytes::<16>()?),
-        requester: requester.address(),
-        seq: 1,
-        issued_at: now,
-        expires_at: now.plus_ms(60_000),
-        deadline: now.plus_ms(3_600_000),
-        delivery: requester_delivery.recipient(),
-        budget,
-        fee: FeeTerms::founder(founder.address()),
-        review_window_ms: 86_400_000,
-        acceptance: Vec::new(),
+    let template = OfferTemplate {
+        name: Some("demo".into()),
+        job_id: None,
         tasks: vec![TaskSpec {
             name: "proof-of-compute".into(),
             workload: Workload {
@@ -160,14 +304,35 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
             depends_on: Vec::new(),
             budget,
         }],
-        calls: vec![cannabis_protocol::BidCall::EVERYONE],
+        ttl_ms: 60_000,
+        deadline_ms: 3_600_000,
+        review_window_ms: 86_400_000,
+        acceptance: Vec::new(),
+        fee_recipient: Some(founder.address()),
+        early: Some(Early::FirstBids(1)),
     };
-    let (offer, offer_len) = transmit(&requester, &offer)?;
+    let submitted = requester_node
+        .market
+        .command(
+            now,
+            MarketCommand::Submit {
+                template,
+                nonce: *random_bytes::<16>()?,
+            },
+        )
+        .map_err(|e| anyhow::anyhow!("the requester's engine refused the job: {e}"))?;
+    let CommandOk::Submitted { job: job_id, .. } = submitted else {
+        anyhow::bail!("the requester's engine answered {submitted:?} to a submission");
+    };
+    wire.queue.extend(requester_node.drain(now));
+    wire.run(&mut requester_node, &mut worker_node, now)?;
+    let offer = wire.offer.clone().context("no offer was published")?;
     step(
         3,
         "job offer",
         format!(
-            "{offer_len} bytes; budget {} = worker share {} + fee {} ({})",
+            "{} bytes; budget {} = worker share {} + fee {} ({})",
+            wire.bytes("job offer")?,
             quote.total,
             quote.worker_share,
             quote.fee,
@@ -175,27 +340,19 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         ),
     )?;
 
-    // 4. The worker bids.
-    let price = Amount(800_000);
-    let bid = Bid {
-        job_id: offer.body.job_id,
-        task: 0,
-        offer: offer.id,
-        worker: worker.address(),
-        price,
-        earliest_start: now,
-        issued_at: now,
-        valid_until: now.plus_ms(60_000),
-    };
-    let (bid, bid_len) = transmit(&worker, &bid)?;
+    // 4. The worker's engine quoted and bid; the requester's took the bid.
+    let bid = wire.bid.clone().context("the worker did not bid")?;
+    let price = bid.body.price;
     step(
         4,
         "bid",
-        format!("{bid_len} bytes; price {price}, signature verified"),
+        format!(
+            "{} bytes; price {price} (800,000 a core-hour, one core, one hour), signature verified",
+            wire.bytes("bid")?
+        ),
     )?;
-
     // A tampered copy of the bid is refused.
-    let mut forged = Signed::sign(&worker, &bid.body).to_bytes();
+    let mut forged = bid.signed.to_bytes();
     let last = forged.len() - 1;
     forged[last] ^= 1;
     let refusal = match Signed::<Bid>::from_bytes(&forged).map(|s| s.verify()) {
@@ -209,43 +366,31 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         format!("a copy with one flipped bit is refused: {refusal}"),
     )?;
 
-    // 5. Award and countersigned lease.
-    let award = Award {
-        job_id: offer.body.job_id,
-        task: 0,
-        rank: 0,
-        requester: requester.address(),
-        worker: worker.address(),
-        epoch: 1,
-        bid: bid.id,
-        price,
-        issued_at: now,
-        expires_at: now.plus_ms(30_000),
-        renew_every_ms: 10_000,
-        rendezvous: None,
-        inputs: Vec::new(),
-    };
-    let (award, _) = transmit(&requester, &award)?;
-    let accept = LeaseAccept {
-        award: award.id,
-        job_id: award.body.job_id,
-        task: 0,
-        rank: 0,
-        worker: worker.address(),
-        epoch: award.body.epoch,
-        issued_at: now,
-    };
-    let (accept, _) = transmit(&worker, &accept)?;
+    // 5. Placed at once (the first valid bid was enough): award and countersigned lease.
+    let award = wire.award.clone().context("the requester did not award")?;
+    let accept = wire
+        .accept
+        .clone()
+        .context("the worker did not countersign")?;
     ensure!(
         accept.body.award == award.id,
         "lease accept names another award"
     );
+    let leased = requester_node
+        .events
+        .iter()
+        .any(|e| matches!(e, MarketEvent::TaskLeased { job, .. } if *job == job_id));
+    ensure!(leased, "the requester's engine did not record the lease");
     step(
         5,
         "lease",
-        format!("epoch {} granted and countersigned", accept.body.epoch),
+        format!(
+            "epoch {} awarded ({} bytes) and countersigned ({} bytes), before the bid window ends",
+            award.body.epoch,
+            wire.bytes("award")?,
+            wire.bytes("lease accept")?
+        ),
     )?;
-
     // 6. The escrow lock and the genesis block the synthetic seed derives from.
     let lock = Transaction::new(
         requester.address(),

@@ -72,6 +72,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             costs,
             find_capacity,
             offer_shards,
+            requesters,
             seed,
             placement_ads,
             format,
@@ -90,8 +91,16 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 (None, true) => sim::Costs::calibrated()?,
                 (None, false) => sim::Costs::default(),
             };
+            let adjust = |config: &mut sim::SimConfig| {
+                if let Some(s) = offer_shards {
+                    config.offer_shards = s;
+                }
+                if let Some(r) = requesters {
+                    config.requesters = r.clamp(1, config.nodes);
+                }
+            };
             if find_capacity {
-                return capacity(nodes, duration, &costs, offer_shards, seed, &format);
+                return capacity(nodes, duration, &costs, &adjust, seed, &format);
             }
             let mut config = match (workload, rate) {
                 (SimWorkload::Capacity, Some(rate)) => {
@@ -118,9 +127,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                     ..sim::SimConfig::default()
                 },
             };
-            if let Some(s) = offer_shards {
-                config.offer_shards = s;
-            }
+            adjust(&mut config);
             config.price_sample = (config.offers / 100).clamp(1, 10);
             let started = std::time::Instant::now();
             let report = sim::run(config)?;
@@ -252,11 +259,14 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                     ),
                 ),
                 (
-                    "idle RSS per node",
+                    "idle memory per node",
                     format!(
-                        "mean {} MiB  max {} MiB",
-                        r.rss_kib_mean / 1024,
-                        r.rss_kib_max / 1024
+                        "RSS mean {:.1} MiB max {:.1} MiB; PSS mean {:.1} MiB max {:.1} MiB; {:.0} connections",
+                        r.rss_kib_mean as f64 / 1024.0,
+                        r.rss_kib_max as f64 / 1024.0,
+                        r.pss_kib_mean as f64 / 1024.0,
+                        r.pss_kib_max as f64 / 1024.0,
+                        r.peers_mean,
                     ),
                 ),
             ])?;
@@ -269,10 +279,14 @@ fn print_sim(report: &sim::SimReport, wall: Duration) -> anyhow::Result<()> {
     output::table(&[
         (
             "nodes / offers",
-            format!(
-                "{} / {} ({:.0} offers/s of virtual time)",
-                report.nodes, report.offers, report.offer_rate
-            ),
+            if report.offer_rate > 0.0 {
+                format!(
+                    "{} / {} ({:.0} offers/s of virtual time)",
+                    report.nodes, report.offers, report.offer_rate
+                )
+            } else {
+                format!("{} / {}", report.nodes, report.offers)
+            },
         ),
         (
             "jobs",
@@ -371,12 +385,12 @@ fn capacity(
     nodes: usize,
     duration: u64,
     costs: &sim::Costs,
-    shards: Option<u32>,
+    adjust: &dyn Fn(&mut sim::SimConfig),
     seed: u64,
     format: &Format,
 ) -> anyhow::Result<()> {
     let json = format.json;
-    let steps = sim::find_capacity(nodes, duration, costs, shards, seed, |s| {
+    let steps = sim::find_capacity(nodes, duration, costs, adjust, seed, |s| {
         if !json {
             let _ = out!(
                 "{:>8.0} offers/s: {:5.1}% placed, bids/offer p50 {:.0} p99 {:.0}, busiest cpu {:.0}%, {:.1} s wall",

@@ -169,10 +169,18 @@ fn demo_walks_a_job_through_the_protocol() {
         assert_eq!(sum, r["locked"].as_u64().unwrap(), "{r}");
     }
     assert!(s["result_hash"].as_str().unwrap().starts_with("0x"));
+    // The price is the worker engine's own quote: its sheet's 800,000 a core-hour, for
+    // the task's one core until its deadline an hour away.
+    assert_eq!(s["price"].as_u64(), Some(800_000), "{s}");
 
     let human = cannabis(dir.path(), &["demo", "--size", "16"]);
     assert!(human.status.success(), "{}", stderr(&human));
     assert!(stdout(&human).contains("Every path balances"));
+    assert!(
+        stdout(&human).contains("before the bid window ends"),
+        "{}",
+        stdout(&human)
+    );
 }
 
 #[test]
