@@ -191,7 +191,7 @@ pub(crate) struct Node {
     sync: HashMap<SyncId, SyncTally>,
     next_sync: u64,
     /// Peers asked for the live market since start.
-    syncs_started: usize,
+    synced: std::collections::HashSet<PeerId>,
     /// Catch-up syncs done (see `CATCH_UP_SECS`).
     catch_ups: usize,
     /// When each offer this node published was handed to gossip, µs (for the API).
@@ -291,7 +291,7 @@ pub async fn start(
         next_gossip: 0,
         sync: HashMap::new(),
         next_sync: 0,
-        syncs_started: 0,
+        synced: std::collections::HashSet::new(),
         catch_ups: 0,
         published_at: HashMap::new(),
         ping_rtt: HashMap::new(),
@@ -821,8 +821,8 @@ impl Node {
                 // A node that just started asks its first few peers for the live market;
                 // gossip brings the rest. (Syncing the whole view with every peer made a
                 // 100-node testnet spend most of its start-up serving the same pages.)
-                if num_established.get() == 1 && self.syncs_started < SYNC_PEERS {
-                    self.syncs_started += 1;
+                if num_established.get() == 1 && self.synced.len() < SYNC_PEERS {
+                    self.synced.insert(peer_id);
                     self.start_sync(peer_id);
                 }
             }
@@ -964,8 +964,8 @@ impl Node {
         }
     }
 
-    /// Asks one connected peer (another each time) for the live market, at the times of
-    /// `CATCH_UP_SECS`.
+    /// Asks one connected peer it has not asked before (any peer once it has asked them
+    /// all) for the live market, at the times of `CATCH_UP_SECS`.
     fn catch_up(&mut self) {
         let Some(due) = CATCH_UP_SECS.get(self.catch_ups) else {
             return;
@@ -973,15 +973,16 @@ impl Node {
         if self.started.elapsed() < Duration::from_secs(*due) {
             return;
         }
-        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
-        if peers.is_empty() {
+        let mut peers = self.swarm.connected_peers().copied();
+        let Some(first) = peers.next() else {
             return;
-        }
-        let turn = SYNC_PEERS + self.catch_ups;
+        };
+        let peer = std::iter::once(first)
+            .chain(peers)
+            .find(|p| !self.synced.contains(p))
+            .unwrap_or(first);
         self.catch_ups += 1;
-        // A different peer each time, without a random source: the peer list's order is
-        // the swarm's, and the turn walks through it.
-        let peer = peers[turn % peers.len()];
+        self.synced.insert(peer);
         debug!(%peer, "catch-up sync");
         self.start_sync(peer);
     }

@@ -520,3 +520,55 @@ async fn sharded_offers_reach_every_worker_their_calls_can_draw() {
         n.stop().await;
     }
 }
+
+/// A node asks its first three peers for the live market when it starts; what gossip sent
+/// meanwhile it may have missed. Here its first three peers know nothing, and the fourth,
+/// met after them, holds an offer published before: the node learns it only from the
+/// catch-up sync it makes ten seconds after its start (before, from nobody: offers are not
+/// published twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_catches_up_on_what_its_first_peers_did_not_have() {
+    let dir = tempfile::tempdir().unwrap();
+    let holder = net::start(&dir.path().join("holder"), None).await;
+    let offer = holder
+        .handle
+        .publish_offer(net::offer(300_000))
+        .await
+        .unwrap();
+    let mut empty = Vec::new();
+    for i in 0..3 {
+        empty.push(net::start(&dir.path().join(format!("empty-{i}")), None).await);
+    }
+    let node = net::start(&dir.path().join("node"), None).await;
+    for e in &empty {
+        node.handle.dial(e.addr.clone()).await.unwrap();
+    }
+    let h = node.handle.clone();
+    net::wait_for(Duration::from_secs(10), "three peers", || {
+        let h = h.clone();
+        async move { (h.status().await.ok()?.connected_peers >= 3).then_some(()) }
+    })
+    .await;
+    node.handle.dial(holder.addr.clone()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let has = |offers: &[cannabis_api::Offer]| offers.iter().any(|o| o.job_id == offer.job_id);
+    assert!(
+        !has(&node.handle.offers().await.unwrap()),
+        "the offer arrived before any catch-up: this test no longer tests catching up"
+    );
+    net::wait_for(
+        Duration::from_secs(20),
+        "the offer, from a catch-up sync",
+        || {
+            let h = h.clone();
+            async move { has(&h.offers().await.ok()?).then_some(()) }
+        },
+    )
+    .await;
+    drop(h);
+    node.stop().await;
+    for e in empty {
+        e.stop().await;
+    }
+    holder.stop().await;
+}
