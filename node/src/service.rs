@@ -949,6 +949,7 @@ impl Node {
         let settled = tokio::time::Instant::now()
             .checked_sub(TRIM_GRACE)
             .unwrap_or_else(tokio::time::Instant::now);
+        let excess = connected.len() - limit;
         let spare: Vec<PeerId> = connected
             .into_iter()
             .filter(|p| !meshed.contains(p) && !bootstrap.contains(p))
@@ -958,7 +959,6 @@ impl Node {
                     .is_some_and(|c| c.iter().all(|l| l.dialed && l.since <= settled))
             })
             .collect();
-        let excess = self.swarm.connected_peers().count() - limit;
         for peer in spare.into_iter().take(excess) {
             let _ = self.swarm.disconnect_peer_id(peer);
         }

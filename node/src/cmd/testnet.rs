@@ -279,14 +279,13 @@ fn print_sim(report: &sim::SimReport, wall: Duration) -> anyhow::Result<()> {
     output::table(&[
         (
             "nodes / offers",
-            if report.offer_rate > 0.0 {
-                format!(
-                    "{} / {} ({:.0} offers/s of virtual time)",
-                    report.nodes, report.offers, report.offer_rate
-                )
-            } else {
-                format!("{} / {}", report.nodes, report.offers)
-            },
+            format!(
+                "{} / {} ({:.*} offers/s of virtual time)",
+                report.nodes,
+                report.offers,
+                if report.offer_rate < 10.0 { 2 } else { 0 },
+                report.offer_rate
+            ),
         ),
         (
             "jobs",
