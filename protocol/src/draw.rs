@@ -27,7 +27,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Address, Amount, Digest, Uuid};
+use crate::{Address, Amount, Digest, JobOffer, Uuid};
 
 /// Odds of one: every matching worker is drawn.
 pub const ODDS_ONE: u32 = 1_000_000_000;
@@ -162,6 +162,20 @@ pub fn reached_shards(call: &BidCall, job_id: &Uuid, task: u32, shards: u32) -> 
         s = (s + 1) % shards;
         out.push(s);
     }
+    out
+}
+
+/// The shards an offer reaches: those of every task's call, each once, in order. Its
+/// topics are these shards' topics.
+pub fn offer_shards(offer: &JobOffer, shards: u32) -> Vec<u32> {
+    let mut out: Vec<u32> = offer
+        .calls
+        .iter()
+        .zip(0u32..)
+        .flat_map(|(call, task)| reached_shards(call, &offer.job_id, task, shards))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
     out
 }
 

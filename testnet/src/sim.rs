@@ -471,12 +471,16 @@ impl Sim {
 
     /// Share of a node's CPU taken by receiving offers: each receives those of its shard.
     fn offer_load(&self) -> f64 {
-        let reach = if self.reach_count == 0 {
+        self.background * self.offer_reach()
+    }
+
+    /// The share of the shards an offer reached so far, on average.
+    fn offer_reach(&self) -> f64 {
+        if self.reach_count == 0 {
             1.0
         } else {
             self.reach_sum / self.reach_count as f64
-        };
-        self.background * reach
+        }
     }
 
     fn at(&mut self, t: u64, e: Event) {
@@ -740,15 +744,7 @@ impl Sim {
             match &e {
                 Envelope::Offer { item, .. } => {
                     let shards = self.config.offer_shards;
-                    let reached: std::collections::BTreeSet<u32> = item
-                        .body
-                        .calls
-                        .iter()
-                        .enumerate()
-                        .flat_map(|(t, c)| {
-                            draw::reached_shards(c, &item.body.job_id, t as u32, shards)
-                        })
-                        .collect();
+                    let reached = draw::offer_shards(&item.body, shards);
                     self.reach_sum += reached.len() as f64 / f64::from(shards.max(1));
                     self.reach_count += 1;
                     if self.config.full_delivery {
@@ -1080,11 +1076,7 @@ impl Sim {
         r.placement_ms = spread(placement_ms);
         r.price_samples = self.price_ratios.len();
         r.offer_shards = self.config.offer_shards;
-        r.offer_reach = if self.reach_count == 0 {
-            1.0
-        } else {
-            self.reach_sum / self.reach_count as f64
-        };
+        r.offer_reach = self.offer_reach();
         r.offer_cpu = self.offer_load();
         r.price_ratio = spread(std::mem::take(&mut self.price_ratios));
         let span = (end - us(T0_MS)).max(1) as f64;

@@ -44,13 +44,6 @@ fn drain(m: &mut Market) {
     }
 }
 
-fn keys(n: u64) -> Keypair {
-    let mut s = [0u8; 32];
-    s[..8].copy_from_slice(&n.to_le_bytes());
-    s[31] = 0x77;
-    Keypair::from_secret(s)
-}
-
 fn identity(k: &Keypair) -> Identity {
     Identity {
         address: k.address(),
@@ -66,7 +59,7 @@ pub(crate) fn run(dir: &Path) -> anyhow::Result<Costs> {
             .as_millis(),
     )?);
     const WORKERS: u64 = 2_000;
-    let requester = keys(0);
+    let requester = testkit::keys(0);
     // A requester that calls every worker, and keeps every bid.
     let config = MarketConfig {
         fanin: FaninConfig {
@@ -77,7 +70,7 @@ pub(crate) fn run(dir: &Path) -> anyhow::Result<Costs> {
         ..MarketConfig::default()
     };
     let mut market = Market::new(config, identity(&requester), now);
-    let workers: Vec<Keypair> = (1..=WORKERS).map(keys).collect();
+    let workers: Vec<Keypair> = (1..=WORKERS).map(testkit::keys).collect();
     for w in &workers {
         let ad = testkit::ad(w.address(), &Machine::default(), now);
         let item = Signed::sign(w, &ad).open()?;

@@ -85,17 +85,7 @@ impl Topics {
 
     /// The topics an offer is gossiped on: the shards its calls reach.
     pub fn of_offer(&self, offer: &cannabis_protocol::JobOffer) -> Vec<Topic> {
-        let mut shards: Vec<u32> = offer
-            .calls
-            .iter()
-            .enumerate()
-            .flat_map(|(t, call)| {
-                cannabis_protocol::draw::reached_shards(call, &offer.job_id, t as u32, self.shards)
-            })
-            .collect();
-        shards.sort_unstable();
-        shards.dedup();
-        shards
+        cannabis_protocol::draw::offer_shards(offer, self.shards)
             .into_iter()
             .map(|shard| Topic::Offers { shard })
             .collect()
