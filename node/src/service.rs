@@ -124,7 +124,7 @@ pub(crate) enum Command {
         oneshot::Sender<anyhow::Result<api::ChallengeReport>>,
     ),
     /// A challenge this node answers has been proved.
-    ChallengeProved(cannabis_protocol::ChallengeResponse),
+    ChallengeProved(Option<cannabis_protocol::ChallengeResponse>),
     /// A challenge this node set has been checked.
     ChallengeChecked(
         api::ChallengeReport,
@@ -187,6 +187,8 @@ pub(crate) struct Node {
     /// Gossip messages waiting for the engine's verdict.
     gossip: HashMap<GossipId, (libp2p::gossipsub::MessageId, PeerId)>,
     next_gossip: u64,
+    /// Sync pages asked for, by request.
+    sync_runs: HashMap<OutboundRequestId, directed::SyncRun>,
     /// Sync pages being fed to the engine.
     sync: HashMap<SyncId, SyncTally>,
     next_sync: u64,
@@ -217,8 +219,9 @@ pub(crate) struct Node {
     /// Challenges this node set, by request.
     challenges: HashMap<OutboundRequestId, challenge::Pending>,
     /// The challenge this node is proving (one at a time), and where to answer.
-    proving:
-        Option<libp2p::request_response::ResponseChannel<cannabis_protocol::ChallengeResponse>>,
+    proving: Option<challenge::Proving>,
+    /// Challenges answered lately (the rate limit).
+    answered: challenge::Answered,
 }
 
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
@@ -289,6 +292,7 @@ pub async fn start(
         next_inbound: 0,
         gossip: HashMap::new(),
         next_gossip: 0,
+        sync_runs: HashMap::new(),
         sync: HashMap::new(),
         next_sync: 0,
         synced: std::collections::HashSet::new(),
@@ -305,6 +309,7 @@ pub async fn start(
         self_tx: internal_tx.clone(),
         challenges: HashMap::new(),
         proving: None,
+        answered: challenge::Answered::default(),
     };
     node.drain();
     node.bootstrap();
@@ -838,6 +843,7 @@ impl Node {
                 }
                 debug!(peer = %peer_id, remaining = num_established, cause = ?cause, "connection closed");
                 if num_established == 0 {
+                    self.cancel_proving(&peer_id);
                     self.ping_rtt.remove(&peer_id);
                     self.connections.remove(&peer_id);
                 }

@@ -23,6 +23,13 @@ const ROUND_DOMAIN: &[u8] = b"cannabis/challenge/v1";
 pub const MAX_CHALLENGE_N: u32 = 2048;
 /// Most rounds in one challenge.
 pub const MAX_ROUNDS: u32 = 4096;
+/// The reference rate: integer operations per second one claimed core is taken to sustain
+/// when a prover bounds the work it accepts (the default sizing uses the same rate).
+pub const REFERENCE_OPS_PER_CORE_PER_SEC: u64 = 2_000_000_000;
+/// Most seconds of work, at the reference rate for the cores it claims, that a prover
+/// accepts in one challenge: four times the default target, so verifiers with their own
+/// sizing have room, while a request can never buy more than that of the prover's time.
+pub const MAX_CHALLENGE_SECS: u64 = 8;
 
 /// A challenge as the verifier sets it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +77,18 @@ pub enum ChallengeError {
     /// Freivalds' check failed: the answer is not the product sum.
     #[error("the answer is not the challenge's product sum")]
     WrongAnswer,
+    /// Larger than the prover's claim justifies: it answers only challenges sized to it.
+    #[error(
+        "challenge of {ops} operations is more than {max} ({MAX_CHALLENGE_SECS} s at the reference rate for {cores} claimed cores)"
+    )]
+    BeyondClaim {
+        /// Operations the challenge asks for.
+        ops: u128,
+        /// The most the claim justifies.
+        max: u128,
+        /// Cores claimed.
+        cores: u32,
+    },
     /// The answer came after the deadline.
     #[error("answered after {took_ms} ms; the deadline was {deadline_ms} ms")]
     TooSlow {
@@ -194,6 +213,30 @@ pub struct Claim {
     pub cpu_cores: u32,
 }
 
+impl Claim {
+    /// The most work a prover with this claim accepts in one challenge:
+    /// `MAX_CHALLENGE_SECS` at the reference rate for its cores.
+    pub fn max_prover_ops(&self) -> u128 {
+        u128::from(REFERENCE_OPS_PER_CORE_PER_SEC)
+            * u128::from(self.cpu_cores.max(1))
+            * u128::from(MAX_CHALLENGE_SECS)
+    }
+
+    /// Whether a prover with this claim takes `challenge`: it must be sized to the claim,
+    /// no larger.
+    pub fn admits(&self, challenge: &Challenge) -> Result<(), ChallengeError> {
+        let (ops, max) = (challenge.prover_ops(), self.max_prover_ops());
+        if ops > max {
+            return Err(ChallengeError::BeyondClaim {
+                ops,
+                max,
+                cores: self.cpu_cores,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// How challenges are sized and timed against a claim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizing {
@@ -217,7 +260,7 @@ impl Default for Sizing {
             // Measured reference (docs/benchmarks.md): a 2-core EPYC VM sustains about
             // 2.7e9 to 4.4e9 integer operations per second per core with the autovectorized
             // loop; the reference is set below that, and the deadline adds slack on top.
-            ops_per_core_per_sec: 2_000_000_000,
+            ops_per_core_per_sec: REFERENCE_OPS_PER_CORE_PER_SEC,
             target_ms: 2_000,
             slack: 3,
             min_deadline_ms: 1_000,
@@ -396,5 +439,28 @@ mod tests {
         assert!(Challenge::new(Digest::of(b""), MAX_CHALLENGE_N + 1, 1).is_err());
         assert!(Challenge::new(Digest::of(b""), 8, 0).is_err());
         assert!(Challenge::new(Digest::of(b""), 8, MAX_ROUNDS + 1).is_err());
+    }
+
+    #[test]
+    fn a_prover_takes_only_challenges_sized_to_its_claim() {
+        let sizing = Sizing::default();
+        for cores in [1, 2, 16, 128, 1024] {
+            let claim = Claim { cpu_cores: cores };
+            let c = sizing.challenge(Digest::of(b"s"), &claim).unwrap();
+            assert_eq!(claim.admits(&c), Ok(()), "{cores} cores, default sizing");
+        }
+        // The largest request there is: hours of work on every core of a small machine.
+        let huge = Challenge::new(Digest::of(b"s"), MAX_CHALLENGE_N, MAX_ROUNDS).unwrap();
+        let two = Claim { cpu_cores: 2 };
+        assert!(matches!(
+            two.admits(&huge),
+            Err(ChallengeError::BeyondClaim { cores: 2, .. })
+        ));
+        // Just over the bound is refused, at it taken.
+        let at = Challenge::new(Digest::of(b"s"), 1000, 16).unwrap();
+        assert_eq!(at.prover_ops(), two.max_prover_ops());
+        assert_eq!(two.admits(&at), Ok(()));
+        let over = Challenge::new(Digest::of(b"s"), 1000, 17).unwrap();
+        assert!(two.admits(&over).is_err());
     }
 }

@@ -3,7 +3,10 @@
 //! driver thread. A verifier that saw a pass signs a [`ChallengePass`] and sends it to the
 //! worker; the worker's market engine keeps it (durably) and its ads carry it.
 
-use std::time::Instant;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use cannabis_api::ChallengeReport;
 use cannabis_protocol::challenge::{Challenge, Claim, Sizing};
@@ -26,6 +29,53 @@ pub(crate) struct Pending {
     claim: Claim,
     sent: Instant,
     reply: oneshot::Sender<anyhow::Result<ChallengeReport>>,
+}
+
+/// The challenge this node is proving: for whom, where to answer, and how to stop it.
+pub(crate) struct Proving {
+    peer: PeerId,
+    channel: libp2p::request_response::ResponseChannel<ChallengeResponse>,
+    cancel: Arc<AtomicBool>,
+}
+
+/// How often this node answers challenges: one per peer and `TOTAL` in all per `WINDOW`.
+/// A challenge costs every core for up to `MAX_CHALLENGE_SECS` at the reference rate, so
+/// this caps the share of the machine that requests can take (here at most 48 s in 10
+/// minutes), whoever sends them.
+const WINDOW: Duration = Duration::from_secs(600);
+const TOTAL: usize = 6;
+
+/// The challenges answered lately, oldest first.
+#[derive(Default)]
+pub(crate) struct Answered(VecDeque<(Instant, PeerId)>);
+
+impl Answered {
+    /// Why `peer` is turned away now, if it is.
+    fn refusal(&mut self, peer: &PeerId, now: Instant) -> Option<String> {
+        while self
+            .0
+            .front()
+            .is_some_and(|(at, _)| now.duration_since(*at) >= WINDOW)
+        {
+            self.0.pop_front();
+        }
+        let wait = |at: &Instant| (WINDOW - now.duration_since(*at)).as_secs() + 1;
+        if let Some((at, _)) = self.0.iter().find(|(_, p)| p == peer) {
+            return Some(format!(
+                "one challenge per peer per {} s: try again in {} s",
+                WINDOW.as_secs(),
+                wait(at)
+            ));
+        }
+        if self.0.len() >= TOTAL {
+            return Some(format!(
+                "{TOTAL} challenges answered in the last {} s: try again in {} s",
+                WINDOW.as_secs(),
+                wait(&self.0[0].0)
+            ));
+        }
+        None
+    }
 }
 
 fn random_digest() -> anyhow::Result<Digest> {
@@ -127,14 +177,26 @@ impl Node {
         request: ChallengeRequest,
         channel: libp2p::request_response::ResponseChannel<ChallengeResponse>,
     ) {
+        // The challenge is sized to this node's own claim, no larger: without an ad there
+        // is no claim to size it to.
+        let claim = self.market.view().ad(&self.address).map(|e| Claim {
+            cpu_cores: e.ad().hardware.cpu_cores,
+        });
         let refusal = if self.proving.is_some() {
             Err("busy with another challenge; try again later".to_string())
+        } else if let Some(why) = self.answered.refusal(&peer, Instant::now()) {
+            Err(why)
+        } else if let Some(claim) = claim {
+            Challenge::new(request.seed, request.n, request.rounds)
+                .and_then(|c| claim.admits(&c).map(|()| c))
+                .map_err(|e| e.to_string())
         } else {
-            Challenge::new(request.seed, request.n, request.rounds).map_err(|e| e.to_string())
+            Err("no capability ad yet: nothing to size a challenge against".to_string())
         };
         let challenge = match refusal {
             Ok(c) => c,
             Err(reason) => {
+                info!(%peer, n = request.n, rounds = request.rounds, %reason, "challenge refused");
                 let _ = self
                     .swarm
                     .behaviour_mut()
@@ -144,7 +206,13 @@ impl Node {
             }
         };
         info!(%peer, n = challenge.n, rounds = challenge.rounds, "answering a challenge");
-        self.proving = Some(channel);
+        self.answered.0.push_back((Instant::now(), peer));
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.proving = Some(Proving {
+            peer,
+            channel,
+            cancel: cancel.clone(),
+        });
         if let Some(verifier) = swarm::address_of(&peer) {
             // A pass for it will be kept: the engine remembers who asked, with which seed.
             let _ = self.market.command(
@@ -158,19 +226,32 @@ impl Node {
         let tx = self.self_tx.clone();
         tokio::task::spawn_blocking(move || {
             let threads = cannabis_runtime::challenge::available_threads();
-            let answer = cannabis_runtime::challenge::prove(&challenge, threads);
-            let _ = tx.blocking_send(Command::ChallengeProved(ChallengeResponse::answer(&answer)));
+            let answer = cannabis_runtime::challenge::prove_until(&challenge, threads, &cancel);
+            let response = answer.as_ref().map(ChallengeResponse::answer);
+            let _ = tx.blocking_send(Command::ChallengeProved(response));
         });
     }
 
-    /// Sends the proved answer back on the channel it was asked on.
-    pub(super) fn send_proved(&mut self, response: ChallengeResponse) {
-        if let Some(channel) = self.proving.take()
+    /// Stops the proof for `peer`, which went away: nobody is left to answer.
+    pub(super) fn cancel_proving(&mut self, peer: &PeerId) {
+        if let Some(p) = &self.proving
+            && p.peer == *peer
+            && !p.cancel.swap(true, Ordering::Relaxed)
+        {
+            info!(%peer, "the verifier went away: challenge stopped");
+        }
+    }
+
+    /// Sends the proved answer back on the channel it was asked on (`None`: the proof was
+    /// stopped, nothing to send).
+    pub(super) fn send_proved(&mut self, response: Option<ChallengeResponse>) {
+        if let Some(p) = self.proving.take()
+            && let Some(response) = response
             && self
                 .swarm
                 .behaviour_mut()
                 .challenge
-                .send_response(channel, response)
+                .send_response(p.channel, response)
                 .is_err()
         {
             warn!("the verifier went away before the challenge answer");
@@ -258,5 +339,31 @@ impl Node {
         info!(peer = %report.peer_id, passed = report.passed, took_ms = report.took_ms,
               deadline_ms = report.deadline_ms, "challenge checked");
         let _ = reply.send(Ok(report));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn challenges_are_answered_once_per_peer_and_a_few_in_all_per_window() {
+        let mut answered = Answered::default();
+        let start = Instant::now();
+        let peers: Vec<PeerId> = (0..=TOTAL).map(|_| PeerId::random()).collect();
+        for (i, p) in peers.iter().take(TOTAL).enumerate() {
+            let at = start + Duration::from_secs(i as u64);
+            assert_eq!(answered.refusal(p, at), None, "peer {i}");
+            answered.0.push_back((at, *p));
+        }
+        let later = start + Duration::from_secs(60);
+        let again = answered.refusal(&peers[0], later).unwrap();
+        assert!(again.contains("one challenge per peer"), "{again}");
+        let full = answered.refusal(&peers[TOTAL], later).unwrap();
+        assert!(full.contains("challenges answered"), "{full}");
+        // The window slides: the first answer ages out, and its peer may ask again.
+        let after = start + WINDOW;
+        assert_eq!(answered.refusal(&peers[0], after), None);
+        assert_eq!(answered.refusal(&peers[TOTAL], after), None);
     }
 }

@@ -13,13 +13,53 @@ use cannabis_protocol::{
 };
 use libp2p::PeerId;
 use libp2p::request_response::{Event, InboundFailure, Message, ResponseChannel};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::{Node, SyncTally, now};
 use crate::swarm;
 
 /// A sync page stops growing past this many bytes, well under the frame cap.
 const SYNC_PAGE_BYTES: usize = SyncResponse::MAX_SIZE / 2;
+/// Most pages, and most bytes, one sync run fetches of one kind. A view of 100,000 ads of
+/// about 1.6 KB fits in 80 pages; past the bound, gossip and ads' refreshes bring the rest.
+const MAX_SYNC_PAGES: u32 = 128;
+const MAX_SYNC_BYTES: usize = 256 << 20;
+
+/// A sync run with one peer for one kind: the page asked for, and what came so far.
+pub(super) struct SyncRun {
+    request: SyncRequest,
+    pages: u32,
+    bytes: usize,
+}
+
+/// Opens (decodes, without checking signatures) every item of a sync page, counting those
+/// that do not open.
+fn open_all<T: cannabis_protocol::Message>(
+    items: Vec<Signed<T>>,
+    undecodable: &mut usize,
+) -> Vec<cannabis_protocol::Received<T>> {
+    items
+        .into_iter()
+        .filter_map(|s| s.open().inspect_err(|_| *undecodable += 1).ok())
+        .collect()
+}
+
+/// The last key of a page whose keys ascend strictly from after `after`; `Ok(None)` for an
+/// empty page, `Err` when the order is broken.
+fn ascending_after<K: Ord>(
+    after: Option<&K>,
+    keys: impl Iterator<Item = K>,
+) -> Result<Option<K>, ()> {
+    let mut last: Option<K> = None;
+    for k in keys {
+        let prev = last.as_ref().or(after);
+        if prev.is_some_and(|p| k <= *p) {
+            return Err(());
+        }
+        last = Some(k);
+    }
+    Ok(last)
+}
 /// Penalty for a directed request that is oversized, does not decode, or breaks a rule no
 /// honest node breaks.
 pub(super) const BAD_REQUEST_PENALTY: f64 = 20.0;
@@ -194,11 +234,29 @@ impl Node {
 
     /// Asks a newly connected peer for its live market, ads and offers.
     pub(super) fn start_sync(&mut self, peer: PeerId) {
-        let sync = &mut self.swarm.behaviour_mut().sync;
-        sync.send_request(&peer, SyncRequest::Ads { after: None });
-        sync.send_request(&peer, SyncRequest::Offers { after: None });
+        for request in [
+            SyncRequest::Ads { after: None },
+            SyncRequest::Offers { after: None },
+        ] {
+            self.request_page(
+                peer,
+                SyncRun {
+                    request,
+                    pages: 0,
+                    bytes: 0,
+                },
+            );
+        }
     }
 
+    fn request_page(&mut self, peer: PeerId, run: SyncRun) {
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .sync
+            .send_request(&peer, run.request.clone());
+        self.sync_runs.insert(id, run);
+    }
     pub(super) fn on_sync(&mut self, event: Event<SyncRequest, SyncResponse>) {
         match event {
             Event::Message {
@@ -222,10 +280,24 @@ impl Node {
             }
             Event::Message {
                 peer,
-                message: Message::Response { response, .. },
+                message:
+                    Message::Response {
+                        request_id,
+                        response,
+                    },
                 ..
-            } => self.on_sync_page(peer, response),
-            Event::OutboundFailure { peer, error, .. } => {
+            } => {
+                if let Some(run) = self.sync_runs.remove(&request_id) {
+                    self.on_sync_page(peer, run, response);
+                }
+            }
+            Event::OutboundFailure {
+                peer,
+                request_id,
+                error,
+                ..
+            } => {
+                self.sync_runs.remove(&request_id);
                 debug!(%peer, %error, "sync request failed");
             }
             Event::InboundFailure { peer, error, .. } => self.on_inbound_failure(peer, &error),
@@ -266,48 +338,71 @@ impl Node {
         page
     }
 
-    /// Feeds a sync page through the same checks as gossip; asks for the next page.
-    fn on_sync_page(&mut self, peer: PeerId, page: SyncResponse) {
+    /// Feeds a sync page through the same checks as gossip; asks for the next page while
+    /// the cursor moves and the run is within `MAX_SYNC_PAGES` and `MAX_SYNC_BYTES`.
+    fn on_sync_page(&mut self, peer: PeerId, run: SyncRun, page: SyncResponse) {
+        let bytes = run.bytes
+            + page
+                .ads
+                .iter()
+                .map(|s| s.payload().len())
+                .chain(page.offers.iter().map(|s| s.payload().len()))
+                .sum::<usize>();
+        let mut undecodable = 0;
+        // Decoded first (no signature checked yet), to check the page's order: only the
+        // kind asked for, strictly after the cursor, ascending. A page that breaks it
+        // (e.g. the same page again and again) ends the run.
+        let (ads, offers, cursor) = match &run.request {
+            SyncRequest::Ads { after } if page.offers.is_empty() => {
+                let ads = open_all(page.ads, &mut undecodable);
+                let keys = ads.iter().map(|r| r.body.node);
+                let last = ascending_after(after.as_ref(), keys);
+                let cursor = last.map(|l| l.map(|after| SyncRequest::Ads { after: Some(after) }));
+                (ads, Vec::new(), cursor)
+            }
+            SyncRequest::Offers { after } if page.ads.is_empty() => {
+                let offers = open_all(page.offers, &mut undecodable);
+                let keys = offers.iter().map(|r| r.body.job_id);
+                let last = ascending_after(after.as_ref(), keys);
+                let cursor =
+                    last.map(|l| l.map(|after| SyncRequest::Offers { after: Some(after) }));
+                (Vec::new(), offers, cursor)
+            }
+            _ => (Vec::new(), Vec::new(), Err(())),
+        };
+        let cursor = match cursor {
+            Ok(c) => c,
+            Err(()) => {
+                warn!(%peer, "a sync page out of order or of the wrong kind: sync stopped");
+                self.penalize(peer, BAD_REQUEST_PENALTY, "sync page out of order");
+                return;
+            }
+        };
         let (now_ms, now_us) = now();
         self.next_sync += 1;
         let id = SyncId(self.next_sync);
         self.sync.insert(id, SyncTally::default());
-        let mut undecodable = 0;
-        let mut last_ad = None;
-        let mut last_offer = None;
-        for signed in page.ads {
-            match signed.open() {
-                Ok(item) => {
-                    last_ad = Some(item.body.node);
-                    self.market.handle(
-                        now_ms,
-                        Input::Ad(Heard::<CapabilityAd> {
-                            origin: Origin::Sync(id),
-                            source: None,
-                            received_us: now_us,
-                            item: Arc::new(item),
-                        }),
-                    );
-                }
-                Err(_) => undecodable += 1,
-            }
+        for item in ads {
+            self.market.handle(
+                now_ms,
+                Input::Ad(Heard::<CapabilityAd> {
+                    origin: Origin::Sync(id),
+                    source: None,
+                    received_us: now_us,
+                    item: Arc::new(item),
+                }),
+            );
         }
-        for signed in page.offers {
-            match signed.open() {
-                Ok(item) => {
-                    last_offer = Some(item.body.job_id);
-                    self.market.handle(
-                        now_ms,
-                        Input::Offer(Heard::<JobOffer> {
-                            origin: Origin::Sync(id),
-                            source: None,
-                            received_us: now_us,
-                            item: Arc::new(item),
-                        }),
-                    );
-                }
-                Err(_) => undecodable += 1,
-            }
+        for item in offers {
+            self.market.handle(
+                now_ms,
+                Input::Offer(Heard::<JobOffer> {
+                    origin: Origin::Sync(id),
+                    source: None,
+                    received_us: now_us,
+                    item: Arc::new(item),
+                }),
+            );
         }
         self.drain();
         let tally = self.sync.remove(&id).unwrap_or_default();
@@ -320,15 +415,24 @@ impl Node {
                 "invalid sync items",
             );
         }
-        debug!(%peer, accepted = tally.accepted, rejected, more = page.more, "sync page");
-        if page.more && rejected == 0 {
-            let next = match (last_ad, last_offer) {
-                (Some(after), _) => SyncRequest::Ads { after: Some(after) },
-                (None, Some(after)) => SyncRequest::Offers { after: Some(after) },
-                (None, None) => return,
-            };
-            self.swarm.behaviour_mut().sync.send_request(&peer, next);
+        let pages = run.pages + 1;
+        debug!(%peer, accepted = tally.accepted, rejected, more = page.more, pages, bytes,
+               "sync page");
+        let Some(next) = cursor.filter(|_| page.more && rejected == 0) else {
+            return;
+        };
+        if pages >= MAX_SYNC_PAGES || bytes >= MAX_SYNC_BYTES {
+            info!(%peer, pages, bytes, "sync stopped at its bound; gossip brings the rest");
+            return;
         }
+        self.request_page(
+            peer,
+            SyncRun {
+                request: next,
+                pages,
+                bytes,
+            },
+        );
     }
 
     /// A sync item's verdict, counted against its page.

@@ -5,8 +5,14 @@
 use std::io;
 use std::time::Duration;
 
-use cannabis_node::swarm::{MARKET_PROTOCOL, Topic, Topics};
-use cannabis_protocol::{CapabilityAd, Keypair, Signed, Timestamp};
+use cannabis_node::swarm::{
+    CHALLENGE_PROTOCOL, Codec, MARKET_PROTOCOL, SYNC_PROTOCOL, Topic, Topics,
+};
+use cannabis_protocol::challenge::Claim;
+use cannabis_protocol::{
+    CapabilityAd, ChallengeRequest, ChallengeResponse, Digest, Keypair, Signed, SyncRequest,
+    SyncResponse, Timestamp,
+};
 use futures::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, StreamExt as _};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{StreamProtocol, gossipsub, identity, noise, request_response, tcp, yamux};
@@ -69,6 +75,8 @@ impl request_response::Codec for RawCodec {
 struct Hostile {
     gossipsub: gossipsub::Behaviour,
     rr: request_response::Behaviour<RawCodec>,
+    challenge: request_response::Behaviour<Codec<ChallengeRequest, ChallengeResponse>>,
+    sync: request_response::Behaviour<Codec<SyncRequest, SyncResponse>>,
 }
 
 fn hostile_swarm() -> libp2p::Swarm<Hostile> {
@@ -98,6 +106,17 @@ fn hostile_swarm() -> libp2p::Swarm<Hostile> {
                     [(MARKET_PROTOCOL, request_response::ProtocolSupport::Outbound)],
                     request_response::Config::default(),
                 ),
+                challenge: request_response::Behaviour::new(
+                    [(
+                        CHALLENGE_PROTOCOL,
+                        request_response::ProtocolSupport::Outbound,
+                    )],
+                    request_response::Config::default(),
+                ),
+                sync: request_response::Behaviour::new(
+                    [(SYNC_PROTOCOL, request_response::ProtocolSupport::Full)],
+                    request_response::Config::default(),
+                ),
             }
         })
         .unwrap()
@@ -118,6 +137,7 @@ fn ad(keys: &Keypair, issued_at: u64, expires_at: u64) -> Vec<u8> {
     ad.runtimes.truncate(1);
     ad.prices.gpu_hour.truncate(1);
     ad.attestation = None;
+    ad.challenges.clear();
     Signed::sign(keys, &ad).to_bytes()
 }
 
@@ -279,5 +299,221 @@ async fn a_hostile_peer_is_rejected_and_honest_traffic_flows() {
 
     drop(hostile);
     b.stop().await;
+    a.stop().await;
+}
+
+/// Drives `hostile` until `pick` takes one of its events, for at most `secs`.
+async fn drive_until<T>(
+    hostile: &mut libp2p::Swarm<Hostile>,
+    secs: u64,
+    what: &str,
+    mut pick: impl FnMut(SwarmEvent<HostileEvent>) -> Option<T>,
+) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), async {
+        loop {
+            if let Some(v) = pick(hostile.select_next_some().await) {
+                return v;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+/// Drives `hostile` for `ms` milliseconds, whatever happens.
+async fn drive_for(hostile: &mut libp2p::Swarm<Hostile>, ms: u64) {
+    let _ = tokio::time::timeout(Duration::from_millis(ms), async {
+        loop {
+            hostile.select_next_some().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_challenge_is_sized_to_the_claim_and_stops_when_the_verifier_goes() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    // An honest verifier with small challenges and a generous deadline.
+    let mut config = net::config(Some(&a.addr));
+    config.challenge.size = 64;
+    config.challenge.target_ms = 20;
+    config.challenge.min_deadline_ms = 60_000;
+    let b = net::start_with(&dir.path().join("b"), config).await;
+    let a_addr = a.handle.address().to_string();
+    let cores = wait_for(Duration::from_secs(30), "b to hold a's ad", || async {
+        let ads = b.handle.ads().await.ok()?;
+        ads.iter()
+            .find(|ad| ad.node == a_addr)
+            .map(|ad| ad.cpu_cores)
+    })
+    .await;
+
+    let mut hostile = hostile_swarm();
+    hostile.dial(a.addr.clone()).unwrap();
+    let a_peer = a.handle.peer_id();
+    // Hours of work on every core, in a 100-byte request: refused at once.
+    hostile.behaviour_mut().challenge.send_request(
+        &a_peer,
+        ChallengeRequest {
+            seed: Digest::of(b"greedy"),
+            n: 2048,
+            rounds: 4096,
+        },
+    );
+    let refused = drive_until(&mut hostile, 10, "an answer", |e| match e {
+        SwarmEvent::Behaviour(HostileEvent::Challenge(request_response::Event::Message {
+            message: request_response::Message::Response { response, .. },
+            ..
+        })) => Some(response),
+        _ => None,
+    })
+    .await;
+    assert!(
+        matches!(&refused, ChallengeResponse::Refused { reason } if reason.contains("more than")),
+        "{refused:?}"
+    );
+
+    // The most the claim allows (seconds on every core), and then the verifier leaves:
+    // the proof stops, and the honest verifier is not kept waiting behind it.
+    let n = 256u32;
+    let rounds = Claim { cpu_cores: cores }.max_prover_ops() / (2 * u128::from(n).pow(3));
+    let rounds = u32::try_from(rounds).unwrap().min(4096);
+    hostile.behaviour_mut().challenge.send_request(
+        &a_peer,
+        ChallengeRequest {
+            seed: Digest::of(b"then leave"),
+            n,
+            rounds,
+        },
+    );
+    drive_for(&mut hostile, 300).await;
+    drop(hostile);
+    let mut tries = 0;
+    let report = wait_for(Duration::from_secs(3), "a to answer b", || {
+        tries += 1;
+        let b = b.handle.clone();
+        async move {
+            let r = b.challenge(a_peer).await.ok()?;
+            (!r.failure.as_deref().is_some_and(|f| f.contains("busy"))).then_some(r)
+        }
+    })
+    .await;
+    assert!(report.passed, "after {tries} tries: {report:?}");
+    // One answer per peer per window.
+    let again = b.handle.challenge(a_peer).await.unwrap();
+    assert!(
+        again
+            .failure
+            .as_deref()
+            .is_some_and(|f| f.contains("one challenge per peer")),
+        "{again:?}"
+    );
+    b.stop().await;
+    a.stop().await;
+}
+
+/// Serves node `a`'s sync requests from `page(request, n)` (`n` counts the ads requests so
+/// far) for `secs`, and says how many ads pages `a` asked for in its first run (a later
+/// catch-up sync starts a new one).
+async fn serve_sync(
+    hostile: &mut libp2p::Swarm<Hostile>,
+    secs: u64,
+    mut page: impl FnMut(&SyncRequest, usize) -> SyncResponse,
+) -> usize {
+    let mut asked = 0;
+    let mut first_run = None;
+    let _ = tokio::time::timeout(Duration::from_secs(secs), async {
+        loop {
+            if let SwarmEvent::Behaviour(HostileEvent::Sync(request_response::Event::Message {
+                message:
+                    request_response::Message::Request {
+                        request, channel, ..
+                    },
+                ..
+            })) = hostile.select_next_some().await
+            {
+                if let SyncRequest::Ads { after } = &request {
+                    if after.is_none() && asked > 0 && first_run.is_none() {
+                        first_run = Some(asked);
+                    }
+                    asked += 1;
+                }
+                let answer = page(&request, asked);
+                let _ = hostile.behaviour_mut().sync.send_response(channel, answer);
+            }
+        }
+    })
+    .await;
+    first_run.unwrap_or(asked)
+}
+
+fn empty_page() -> SyncResponse {
+    SyncResponse {
+        ads: Vec::new(),
+        offers: Vec::new(),
+        more: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_stops_when_the_cursor_does_not_move_and_at_its_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let now = now_ms();
+    // Keys in address order: a page's ads must ascend.
+    let mut keys: Vec<Keypair> = (0..160u8)
+        .map(|i| Keypair::from_secret([i.wrapping_add(1); 32]))
+        .collect();
+    keys.sort_by_key(|k| k.address());
+    let signed =
+        |k: &Keypair| Signed::<CapabilityAd>::from_bytes(&ad(k, now, now + 600_000)).unwrap();
+
+    // The same page of ads, "more to come", forever.
+    let same: Vec<_> = keys[..3].iter().map(signed).collect();
+    let mut hostile = hostile_swarm();
+    let hostile_id = *hostile.local_peer_id();
+    hostile.dial(a.addr.clone()).unwrap();
+    let asked = serve_sync(&mut hostile, 4, |req, _| match req {
+        SyncRequest::Ads { .. } => SyncResponse {
+            ads: same.clone(),
+            offers: Vec::new(),
+            more: true,
+        },
+        SyncRequest::Offers { .. } => empty_page(),
+    })
+    .await;
+    assert_eq!(
+        asked, 2,
+        "the node asked again although the cursor did not move"
+    );
+    let peers = a.handle.peers().await.unwrap();
+    let score = peers
+        .iter()
+        .find(|p| p.peer_id == hostile_id.to_string())
+        .map(|p| p.score);
+    assert!(score.is_some_and(|s| s < 0.0), "score {score:?}");
+    assert!(
+        a.handle.ads().await.unwrap().len() >= 3,
+        "the first page was taken"
+    );
+    drop(hostile);
+
+    // New ads on every page, in order, "more to come", forever: the run stops at its
+    // page bound.
+    let fresh: Vec<_> = keys[3..].iter().map(signed).collect();
+    let mut hostile = hostile_swarm();
+    hostile.dial(a.addr.clone()).unwrap();
+    let asked = serve_sync(&mut hostile, 8, |req, n| match req {
+        SyncRequest::Ads { .. } => SyncResponse {
+            ads: fresh.get(n - 1).cloned().into_iter().collect(),
+            offers: Vec::new(),
+            more: true,
+        },
+        SyncRequest::Offers { .. } => empty_page(),
+    })
+    .await;
+    assert_eq!(asked, 128, "pages asked of an endless sync");
+    drop(hostile);
     a.stop().await;
 }
