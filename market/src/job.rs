@@ -77,13 +77,8 @@ pub enum Action {
     Award(Award),
     /// Sign and send this renewal to its worker.
     Renew(LeaseRenewal),
-    /// Sign and send this cancellation to each worker.
-    Cancel {
-        /// Who gets it.
-        to: Vec<Address>,
-        /// The cancellation.
-        cancel: Cancel,
-    },
+    /// Sign and send this cancellation to its worker.
+    Cancel(Cancel),
 }
 
 /// Why a task failed.
@@ -1128,28 +1123,25 @@ impl Job {
         actions: &mut Vec<Action>,
     ) -> Result<(), MoneyError> {
         let task = &mut self.tasks[i];
-        let mut to = Vec::new();
         let mut committed = task.committed;
         for a in &mut task.ranks {
             if matches!(a.state, LeaseState::Offered | LeaseState::Current) {
                 a.state = LeaseState::Ended;
                 committed = committed.checked_sub(a.price)?;
-                to.push(a.worker);
+                // One per lease, naming its epoch: it can never end a later attempt's.
+                actions.push(Action::Cancel(Cancel {
+                    job_id: self.offer.job_id,
+                    task: i as u32,
+                    rank: a.rank,
+                    requester: self.offer.requester,
+                    worker: a.worker,
+                    epoch: a.epoch,
+                    reason: Cancel::reason(reason),
+                    issued_at: now,
+                }));
             }
         }
         task.committed = committed;
-        if !to.is_empty() {
-            actions.push(Action::Cancel {
-                to,
-                cancel: Cancel {
-                    job_id: self.offer.job_id,
-                    requester: self.offer.requester,
-                    task: Some(i as u32),
-                    reason: reason.into(),
-                    issued_at: now,
-                },
-            });
-        }
         Ok(())
     }
 

@@ -297,20 +297,27 @@ impl Leases {
         Ok(())
     }
 
-    /// A cancellation whose signature and sender the caller checked: ends every live lease
-    /// of this worker it names.
-    #[must_use]
-    pub fn on_cancel(&mut self, cancel: &Cancel, now: Timestamp) -> Vec<Stopped> {
-        let mut stopped = Vec::new();
-        for (key, lease) in &mut self.leases {
-            let named = key.0 == cancel.job_id && cancel.task.is_none_or(|t| t == key.1);
-            if named && lease.is_live() && lease.requester == cancel.requester {
-                lease.expires_at = lease.expires_at.min(now);
-                let reason = EndReason::Cancelled(cancel.reason.clone());
-                stopped.push(end(key, lease, reason));
-            }
+    /// A cancellation whose signature and sender the caller checked: ends the live lease it
+    /// names, at its epoch. One for another epoch (an earlier attempt's, replayed or late) or
+    /// another requester is refused and changes nothing.
+    pub fn on_cancel(&mut self, cancel: &Cancel, now: Timestamp) -> Result<Stopped, Refusal> {
+        let key = (cancel.job_id, cancel.task, cancel.rank);
+        let lease = self.leases.get_mut(&key).ok_or(Refusal::NoLease)?;
+        if cancel.requester != lease.requester || cancel.worker != self.me {
+            return Err(Refusal::NotTheLease);
         }
-        stopped
+        if cancel.epoch != lease.epoch {
+            return Err(Refusal::StaleEpoch {
+                got: cancel.epoch,
+                current: lease.epoch,
+            });
+        }
+        if !lease.is_live() {
+            return Err(Refusal::LeaseEnded);
+        }
+        lease.expires_at = lease.expires_at.min(now);
+        let reason = EndReason::Cancelled(cancel.reason.clone());
+        Ok(end(&key, lease, reason))
     }
 
     /// Ends leases that ran out by `now`: their workloads stop.
@@ -331,5 +338,82 @@ impl Leases {
         self.leases
             .get(key)
             .is_some_and(|l| l.is_live() && l.epoch == epoch && l.expires_at > now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cannabis_protocol::Keypair;
+
+    use super::*;
+
+    #[test]
+    fn a_cancel_ends_only_the_lease_of_its_epoch() {
+        let (me, requester) = (
+            Keypair::from_secret([1; 32]).address(),
+            Keypair::from_secret([2; 32]).address(),
+        );
+        let t = Timestamp(1_000_000);
+        let job = Uuid([7; 16]);
+        let bid = Bid {
+            job_id: job,
+            task: 0,
+            offer: Digest::of(b"offer"),
+            worker: me,
+            price: Amount(100),
+            earliest_start: t,
+            issued_at: t,
+            valid_until: t.plus_ms(600_000),
+        };
+        let bid_id = Digest::of(b"bid");
+        let mut leases = Leases::new(me);
+        leases.on_bid_sent(bid_id, SentBid { bid, requester });
+        let award = |epoch: u64| Award {
+            job_id: job,
+            task: 0,
+            rank: 0,
+            requester,
+            worker: me,
+            epoch,
+            bid: bid_id,
+            price: Amount(100),
+            issued_at: t,
+            expires_at: t.plus_ms(60_000),
+            renew_every_ms: 20_000,
+            rendezvous: None,
+            inputs: Vec::new(),
+        };
+        let cancel = |epoch: u64| Cancel {
+            job_id: job,
+            task: 0,
+            rank: 0,
+            requester,
+            worker: me,
+            epoch,
+            reason: "rank failed".into(),
+            issued_at: t.plus_ms(1),
+        };
+        leases.on_award(&award(1), Digest::of(b"a1"), t).unwrap();
+        let first = cancel(1);
+        let stopped = leases.on_cancel(&first, t.plus_ms(1)).unwrap();
+        assert_eq!((stopped.key, stopped.epoch), ((job, 0, 0), 1));
+        // The retry lands on the same worker at epoch 2; the first cancel, replayed or
+        // late, does not end it.
+        leases
+            .on_award(&award(2), Digest::of(b"a2"), t.plus_ms(2))
+            .unwrap();
+        assert_eq!(
+            leases.on_cancel(&first, t.plus_ms(3)),
+            Err(Refusal::StaleEpoch { got: 1, current: 2 })
+        );
+        assert!(leases.is_current(&(job, 0, 0), 2, t.plus_ms(3)));
+        // Nor does one for another worker or from another requester.
+        let mut other = cancel(2);
+        other.worker = requester;
+        assert_eq!(leases.on_cancel(&other, t), Err(Refusal::NotTheLease));
+        assert!(leases.is_current(&(job, 0, 0), 2, t.plus_ms(3)));
+        // The cancel of epoch 2 ends it.
+        leases.on_cancel(&cancel(2), t.plus_ms(4)).unwrap();
+        assert!(!leases.is_current(&(job, 0, 0), 2, t.plus_ms(4)));
     }
 }

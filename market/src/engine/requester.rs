@@ -393,11 +393,10 @@ impl Market {
                         Purpose::Renew(renewal),
                     );
                 }
-                Action::Cancel { to, cancel } => {
-                    for worker in to {
-                        let purpose = Purpose::Other("cancellation", worker);
-                        self.send(worker, Outbound::Cancel(cancel.clone()), purpose);
-                    }
+                Action::Cancel(cancel) => {
+                    let worker = cancel.worker;
+                    let purpose = Purpose::Other("cancellation", worker);
+                    self.send(worker, Outbound::Cancel(cancel), purpose);
                 }
             }
         }

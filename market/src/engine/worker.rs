@@ -123,10 +123,9 @@ impl Market {
         Self::from_signer(from, &r)?;
         self.check_signature(&r)?;
         let now = self.now;
-        for s in self.leases.on_cancel(&r.body, now) {
-            self.out.dirty(RecordKey::Lease(s.key));
-            self.lease_ended(s);
-        }
+        let s = self.leases.on_cancel(&r.body, now)?;
+        self.out.dirty(RecordKey::Lease(s.key));
+        self.lease_ended(s);
         Ok(())
     }
 

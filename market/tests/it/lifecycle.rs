@@ -607,8 +607,11 @@ fn workers_refuse_stale_and_foreign_lease_messages() {
     // A cancellation from someone else changes nothing.
     let cancel = Cancel {
         job_id: award.job_id,
+        task: 0,
+        rank: 0,
         requester: stranger.address(),
-        task: None,
+        worker,
+        epoch: 1,
         reason: "no".into(),
         issued_at: now,
     };

@@ -181,8 +181,11 @@ pub(crate) fn run(dir: &Path) -> anyhow::Result<Costs> {
     for i in 0..2_000u64 {
         let cancel = Cancel {
             job_id,
+            task: 0,
+            rank: 0,
             requester: requester.address(),
-            task: None,
+            worker: worker.address(),
+            epoch: 1,
             reason: "calibration".into(),
             issued_at: now.plus_ms(i),
         };

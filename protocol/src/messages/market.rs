@@ -40,7 +40,8 @@ pub struct Decline {
     pub offer: Digest,
     /// The declining worker; must be the signer.
     pub worker: Address,
-    /// Why, for the requester's eyes.
+    /// Why, for the requester's eyes: at most [`Cancel::MAX_REASON`] bytes.
+    #[cfg_attr(feature = "arbitrary", proptest(regex = "[ -~]{0,64}"))]
     pub reason: String,
     /// When.
     pub issued_at: Timestamp,
@@ -143,20 +144,42 @@ pub struct LeaseRenewal {
     pub expires_at: Timestamp,
 }
 
-/// The requester's cancellation; it reaches every rank of the tasks it names.
+/// The requester's cancellation of one lease: one assignment at one epoch. A lease of a
+/// later epoch (a retry) is not touched by it, wherever the message comes from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
 pub struct Cancel {
     /// The job.
     pub job_id: Uuid,
+    /// Index of the task.
+    pub task: u32,
+    /// Rank.
+    pub rank: u32,
     /// The requester; must be the signer.
     pub requester: Address,
-    /// The task to cancel, or `None` for the whole job.
-    pub task: Option<u32>,
-    /// Why, for the workers' records.
+    /// The worker holding the lease.
+    pub worker: Address,
+    /// The lease's epoch; a cancellation for another epoch is refused.
+    pub epoch: u64,
+    /// Why, for the workers' records: at most [`Cancel::MAX_REASON`] bytes.
+    #[cfg_attr(feature = "arbitrary", proptest(regex = "[ -~]{0,64}"))]
     pub reason: String,
     /// When.
     pub issued_at: Timestamp,
+}
+
+impl Cancel {
+    /// Longest reason (of a cancellation or a decline), in bytes.
+    pub const MAX_REASON: usize = 256;
+
+    /// `reason` cut to [`Cancel::MAX_REASON`] bytes, at a character boundary.
+    pub fn reason(reason: &str) -> String {
+        let mut end = reason.len().min(Self::MAX_REASON);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason[..end].to_string()
+    }
 }
 
 wire!(Bid, "bid", 2 * 1024);
@@ -164,7 +187,7 @@ wire!(Decline, "decline", 4 * 1024);
 wire!(Award, "award", 32 * 1024);
 wire!(LeaseAccept, "lease accept", 1024);
 wire!(LeaseRenewal, "lease renewal", 1024);
-wire!(Cancel, "cancel", 4 * 1024);
+wire!(Cancel, "cancel", 1024);
 
 impl Message for Bid {
     const DOMAIN: &'static str = "cannabis/bid/v1";
@@ -183,6 +206,12 @@ impl Message for Decline {
     const DOMAIN: &'static str = "cannabis/decline/v1";
     fn claimed_signer(&self) -> Option<&Address> {
         Some(&self.worker)
+    }
+    fn validate(&self) -> Result<(), Invalid> {
+        if self.reason.len() > Cancel::MAX_REASON {
+            return Err(Invalid::new("reason", "longer than 256 bytes"));
+        }
+        Ok(())
     }
 }
 
@@ -259,5 +288,11 @@ impl Message for Cancel {
     const DOMAIN: &'static str = "cannabis/cancel/v1";
     fn claimed_signer(&self) -> Option<&Address> {
         Some(&self.requester)
+    }
+    fn validate(&self) -> Result<(), Invalid> {
+        if self.reason.len() > Self::MAX_REASON {
+            return Err(Invalid::new("reason", "longer than 256 bytes"));
+        }
+        Ok(())
     }
 }
