@@ -648,7 +648,32 @@ impl Market {
         let mut m = Self::new(config, me, now);
         let mut bids = Vec::new();
         let mut leases = Vec::new();
-        for record in records {
+        let mut view = std::mem::replace(
+            &mut m.view,
+            View::new(ViewConfig::default(), Signatures::Assume),
+        );
+        view.unlimited(|view| {
+            for record in records {
+                m.restore_record(view, record, now, &mut bids, &mut leases);
+            }
+        });
+        m.view = view;
+        m.forget_evicted();
+        m.leases = Leases::restore(m.me.address, bids, leases);
+        m.prune_passes();
+        m
+    }
+
+    fn restore_record(
+        &mut self,
+        view: &mut View,
+        record: Record,
+        now: Timestamp,
+        bids: &mut Vec<(Digest, SentBid)>,
+        leases: &mut Vec<(AssignmentKey, Lease)>,
+    ) {
+        let m = self;
+        {
             let key = record.key();
             match record {
                 Record::Ad {
@@ -659,7 +684,7 @@ impl Market {
                     let kept = signed.open().ok().is_some_and(|item| {
                         item.body.node == node
                             && matches!(
-                                m.view.on_ad(Arc::new(item), None, now, received_us),
+                                view.on_ad(Arc::new(item), None, now, received_us),
                                 Verdict::Accept(_)
                             )
                     });
@@ -675,7 +700,7 @@ impl Market {
                     let kept = signed.open().ok().is_some_and(|item| {
                         item.body.job_id == job
                             && matches!(
-                                m.view.on_offer(Arc::new(item), None, now, received_us),
+                                view.on_offer(Arc::new(item), None, now, received_us),
                                 Verdict::Accept(_)
                             )
                     });
@@ -713,9 +738,15 @@ impl Market {
                 }
             }
         }
-        m.leases = Leases::restore(m.me.address, bids, leases);
-        m.prune_passes();
-        m
+    }
+
+    /// Forgets the offers the view pushed out to make room.
+    fn forget_evicted(&mut self) {
+        for job in self.view.take_evicted() {
+            self.out.dirty(RecordKey::Offer(job));
+            self.bare.remove(&job);
+            self.declined.remove(&job);
+        }
     }
 
     /// This node's identity.
@@ -775,6 +806,7 @@ impl Market {
                     received_us,
                 ) {
                     Verdict::Accept(_) => {
+                        self.forget_evicted();
                         self.out.dirty(RecordKey::Offer(job));
                         Ok(CommandOk::Kept(id))
                     }
@@ -939,6 +971,7 @@ impl Market {
         let accepted = matches!(verdict, Verdict::Accept(_));
         self.validate(heard.origin, verdict);
         if accepted {
+            self.forget_evicted();
             self.out.dirty(RecordKey::Offer(job));
             self.answer_offer(&item);
         }

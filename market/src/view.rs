@@ -1,6 +1,6 @@
 //! The live market view: capability ads and open job offers, with expiry, fed by gossip.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use cannabis_protocol::{
@@ -17,10 +17,22 @@ pub struct ViewConfig {
     pub max_ad_ttl_ms: u64,
     /// Longest an offer may stay open from now.
     pub max_offer_ttl_ms: u64,
+    /// Longest an offer's deadline may be from now: a worker keeps its quotes for a job
+    /// until the deadline at most.
+    pub max_deadline_ms: u64,
     /// Most ads held; more are ignored until some expire.
     pub max_ads: usize,
     /// Most offers held.
     pub max_offers: usize,
+    /// Most payload bytes of offers held. Past it, a new offer pushes out offers of the
+    /// signer holding the most bytes, never of a smaller holder (see [`View::on_offer`]).
+    pub max_offer_bytes: usize,
+    /// Most live offers of one signer.
+    pub max_offers_per_signer: usize,
+    /// How fast one signer's offers (new ones and new versions) are taken; `None`: no limit.
+    pub offer_rate: Option<Rate>,
+    /// How fast one node's ads are taken; `None`: no limit.
+    pub ad_rate: Option<Rate>,
 }
 
 impl Default for ViewConfig {
@@ -29,10 +41,90 @@ impl Default for ViewConfig {
             max_clock_skew_ms: 2 * 60_000,
             max_ad_ttl_ms: 60 * 60_000,
             max_offer_ttl_ms: 7 * 24 * 60 * 60_000,
+            max_deadline_ms: 37 * 24 * 60 * 60_000,
             max_ads: 100_000,
             max_offers: 100_000,
+            max_offer_bytes: 256 << 20,
+            max_offers_per_signer: 1024,
+            offer_rate: Some(Rate {
+                burst: 256,
+                per_minute: 1200,
+            }),
+            ad_rate: Some(Rate {
+                burst: 16,
+                per_minute: 10,
+            }),
         }
     }
+}
+
+/// A token bucket: `burst` at once, then `per_minute`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate {
+    /// Most taken at once.
+    pub burst: u32,
+    /// Sustained, per minute.
+    pub per_minute: u32,
+}
+
+/// One bucket per signer, in thousandths of a message; a bucket that has filled up again
+/// is forgotten (the same as a fresh one), so throwaway keys leave nothing behind.
+#[derive(Debug, Default)]
+struct Limiter {
+    buckets: HashMap<Address, (u64, Timestamp)>,
+    full_at: BTreeSet<(Timestamp, Address)>,
+}
+
+impl Limiter {
+    fn level(rate: Rate, bucket: Option<&(u64, Timestamp)>, now: Timestamp) -> u64 {
+        let cap = u64::from(rate.burst) * 1000;
+        match bucket {
+            None => cap,
+            Some(&(milli, at)) => {
+                let refill = now.ms_since(at).saturating_mul(u64::from(rate.per_minute)) / 60;
+                milli.saturating_add(refill).min(cap)
+            }
+        }
+    }
+
+    fn allows(&self, rate: Option<Rate>, who: &Address, now: Timestamp) -> bool {
+        rate.is_none_or(|r| Self::level(r, self.buckets.get(who), now) >= 1000)
+    }
+
+    fn charge(&mut self, rate: Option<Rate>, who: Address, now: Timestamp) {
+        let Some(rate) = rate else { return };
+        let old = self.buckets.get(&who).copied();
+        let milli = Self::level(rate, old.as_ref(), now).saturating_sub(1000);
+        if let Some((m, at)) = old {
+            self.full_at.remove(&(Self::full(rate, m, at), who));
+        }
+        self.buckets.insert(who, (milli, now));
+        self.full_at.insert((Self::full(rate, milli, now), who));
+    }
+
+    /// When a bucket at `milli` since `at` is full again.
+    fn full(rate: Rate, milli: u64, at: Timestamp) -> Timestamp {
+        let missing = (u64::from(rate.burst) * 1000).saturating_sub(milli);
+        let per_minute = u64::from(rate.per_minute).max(1);
+        at.plus_ms(missing.saturating_mul(60).div_ceil(per_minute))
+    }
+
+    fn expire(&mut self, now: Timestamp) {
+        while let Some(&(at, who)) = self.full_at.first() {
+            if at > now {
+                break;
+            }
+            self.full_at.pop_first();
+            self.buckets.remove(&who);
+        }
+    }
+}
+
+/// One signer's offers held: their payload bytes, and their job ids by expiry.
+#[derive(Debug, Default)]
+struct Holder {
+    bytes: usize,
+    offers: BTreeSet<(Timestamp, Uuid)>,
 }
 
 /// What to do with a gossiped message: the three answers of gossipsub's manual validation.
@@ -64,6 +156,15 @@ pub enum IgnoreReason {
     /// The view is full.
     #[error("market view is full")]
     Full,
+    /// The signer holds as many live offers as one signer may.
+    #[error("its signer holds {held} live offers, the most one signer may")]
+    SignerFull {
+        /// Live offers the signer holds.
+        held: usize,
+    },
+    /// The signer sends faster than the view takes from one signer.
+    #[error("its signer sends faster than one signer may")]
+    RateLimited,
 }
 
 /// Why a message was rejected.
@@ -100,6 +201,12 @@ pub enum RejectReason {
     TooLongLived {
         /// Its expiry.
         expires_at: Timestamp,
+    },
+    /// Its deadline is further away than any job may run.
+    #[error("deadline {deadline} is too far ahead")]
+    DeadlineTooFar {
+        /// Its deadline.
+        deadline: Timestamp,
     },
 }
 
@@ -211,6 +318,14 @@ pub struct View {
     /// expired and rejected; one before it is a duplicate.
     seen: BTreeMap<Digest, Timestamp>,
     seen_expiries: BTreeSet<(Timestamp, Digest)>,
+    /// The offers of each signer, and the signers by the bytes they hold.
+    holders: HashMap<Address, Holder>,
+    by_bytes: BTreeSet<(usize, Address)>,
+    offer_bytes: usize,
+    offer_limiter: Limiter,
+    ad_limiter: Limiter,
+    /// Offers pushed out to make room, not yet taken by [`View::take_evicted`].
+    evicted: Vec<Uuid>,
 }
 
 /// Decodes a gossiped message of kind `T`: the envelope (size cap, version, canonical
@@ -236,7 +351,27 @@ impl View {
             expiries: BTreeSet::new(),
             seen: BTreeMap::new(),
             seen_expiries: BTreeSet::new(),
+            holders: HashMap::new(),
+            by_bytes: BTreeSet::new(),
+            offer_bytes: 0,
+            offer_limiter: Limiter::default(),
+            ad_limiter: Limiter::default(),
+            evicted: Vec::new(),
         }
+    }
+
+    /// The offers pushed out to make room for others since the last call.
+    pub fn take_evicted(&mut self) -> Vec<Uuid> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Runs `f` without the per-signer rate limits: for what the store kept, which was
+    /// taken within them before.
+    pub fn unlimited<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let rates = (self.config.offer_rate.take(), self.config.ad_rate.take());
+        let r = f(self);
+        (self.config.offer_rate, self.config.ad_rate) = rates;
+        r
     }
 
     /// The cheap checks every gossiped message must pass, in order: source, expiry,
@@ -310,9 +445,14 @@ impl View {
             }
             _ => {}
         }
+        if !self.ad_limiter.allows(self.config.ad_rate, &ad.node, now) {
+            return Verdict::Ignore(IgnoreReason::RateLimited);
+        }
         if let Err(e) = self.signatures.check(&*item) {
             return Verdict::Reject(RejectReason::Verify(e));
         }
+        // Charged once verified: nobody can spend another signer's allowance.
+        self.ad_limiter.charge(self.config.ad_rate, ad.node, now);
         let (node, id, expires_at) = (ad.node, item.id, ad.expires_at);
         self.see(id, expires_at);
         let entry = AdEntry {
@@ -345,7 +485,14 @@ impl View {
         ) {
             return v;
         }
-        match self.offers.get(&offer.job_id) {
+        if offer.deadline > now.plus_ms(self.config.max_deadline_ms) {
+            return Verdict::Reject(RejectReason::DeadlineTooFar {
+                deadline: offer.deadline,
+            });
+        }
+        let signer = offer.requester;
+        let held = self.offers.get(&offer.job_id);
+        match held {
             Some(held) if held.offer().requester != offer.requester => {
                 return Verdict::Ignore(IgnoreReason::JobIdTaken);
             }
@@ -359,21 +506,111 @@ impl View {
             }
             _ => {}
         }
+        let replaces = held.is_some();
+        let mine = self.holders.get(&signer).map_or(0, |h| h.offers.len());
+        if !replaces && mine >= self.config.max_offers_per_signer {
+            return Verdict::Ignore(IgnoreReason::SignerFull { held: mine });
+        }
+        if !self
+            .offer_limiter
+            .allows(self.config.offer_rate, &signer, now)
+        {
+            return Verdict::Ignore(IgnoreReason::RateLimited);
+        }
+        let size = item.signed.payload().len();
+        let freed = held.map_or(0, |h| h.signed().payload().len());
+        let Some(evict) = self.room_for(&signer, size, freed) else {
+            return Verdict::Ignore(IgnoreReason::Full);
+        };
         if let Err(e) = self.signatures.check(&*item) {
             return Verdict::Reject(RejectReason::Verify(e));
         }
+        self.offer_limiter
+            .charge(self.config.offer_rate, signer, now);
+        for job in evict {
+            self.drop_offer(&job);
+            self.evicted.push(job);
+        }
         let (job, id, expires_at) = (offer.job_id, item.id, offer.expires_at);
         self.see(id, expires_at);
+        if replaces {
+            self.drop_offer(&job);
+        }
+        self.hold(signer, size, (expires_at, job), 1);
         let entry = OfferEntry {
             item,
             received_at_us,
         };
-        if let Some(old) = self.offers.insert(job, entry) {
-            self.expiries
-                .remove(&(old.offer().expires_at, Held::Offer(job)));
-        }
+        self.offers.insert(job, entry);
         self.expiries.insert((expires_at, Held::Offer(job)));
         Verdict::Accept(id)
+    }
+
+    /// Whether `size` more bytes of `signer` (replacing `freed`) fit, and which offers go
+    /// to make room: those of the signer holding the most bytes, soonest to expire first,
+    /// while it holds more than `signer` would. A signer cannot push out anyone smaller
+    /// than itself, so many offers from one key never displace a requester's few. `None`:
+    /// no room.
+    fn room_for(&self, signer: &Address, size: usize, freed: usize) -> Option<Vec<Uuid>> {
+        let mut over = (self.offer_bytes + size)
+            .saturating_sub(freed)
+            .saturating_sub(self.config.max_offer_bytes);
+        if over == 0 {
+            return Some(Vec::new());
+        }
+        let mine = self.holders.get(signer).map_or(0, |h| h.bytes) + size - freed;
+        // Holders largest first, with what each would have left as its offers go.
+        let mut evict = Vec::new();
+        for &(bytes, top) in self.by_bytes.iter().rev() {
+            let mut left = bytes;
+            let holder = &self.holders[&top];
+            for &(_, job) in &holder.offers {
+                if over == 0 || left <= mine || top == *signer {
+                    break;
+                }
+                let b = self.offers[&job].signed().payload().len();
+                evict.push(job);
+                left -= b;
+                over = over.saturating_sub(b);
+            }
+            if over == 0 {
+                return Some(evict);
+            }
+            if left <= mine {
+                // Every holder further down holds less still.
+                return None;
+            }
+        }
+        None
+    }
+
+    /// Counts an offer of `signer` (`sign` 1) or forgets it (-1).
+    fn hold(&mut self, signer: Address, size: usize, key: (Timestamp, Uuid), sign: i8) {
+        let holder = self.holders.entry(signer).or_default();
+        self.by_bytes.remove(&(holder.bytes, signer));
+        if sign > 0 {
+            holder.bytes += size;
+            holder.offers.insert(key);
+            self.offer_bytes += size;
+        } else {
+            holder.bytes -= size;
+            holder.offers.remove(&key);
+            self.offer_bytes -= size;
+        }
+        if holder.offers.is_empty() {
+            self.holders.remove(&signer);
+        } else {
+            self.by_bytes.insert((holder.bytes, signer));
+        }
+    }
+
+    /// Drops a held offer and everything that counts it.
+    fn drop_offer(&mut self, job: &Uuid) -> Option<OfferEntry> {
+        let e = self.offers.remove(job)?;
+        let (signer, expires_at) = (e.offer().requester, e.offer().expires_at);
+        self.expiries.remove(&(expires_at, Held::Offer(*job)));
+        self.hold(signer, e.signed().payload().len(), (expires_at, *job), -1);
+        Some(e)
     }
 
     /// Drops everything that expired by `now` and says what was dropped.
@@ -391,7 +628,7 @@ impl View {
                     dropped.ads.push(node);
                 }
                 Held::Offer(job) => {
-                    self.offers.remove(&job);
+                    self.drop_offer(&job);
                     dropped.offers.push(job);
                 }
             }
@@ -403,6 +640,8 @@ impl View {
             self.seen_expiries.pop_first();
             self.seen.remove(&id);
         }
+        self.offer_limiter.expire(now);
+        self.ad_limiter.expire(now);
         dropped
     }
 
@@ -677,5 +916,217 @@ mod tests {
             feed(&mut v, &ad(&keys(1), 2, 999_000, 1_060_000), None, NOW, 0),
             Verdict::Accept(_)
         ));
+    }
+
+    fn offer_item(
+        k: &Keypair,
+        job: u64,
+        seq: u64,
+        pad: usize,
+        ttl_ms: u64,
+    ) -> Arc<Received<JobOffer>> {
+        let mut o = crate::testkit::offer(
+            k.address(),
+            job,
+            vec![crate::testkit::task("t", 1, 0, 0, 1, 1_000)],
+            NOW,
+            ttl_ms,
+            ttl_ms + 60_000,
+        );
+        o.seq = seq;
+        // Padding makes offers of a known size.
+        o.tasks[0].name = "t".repeat(pad.max(1));
+        Arc::new(Signed::sign(k, &o).open().unwrap())
+    }
+
+    fn limited(config: ViewConfig) -> View {
+        View::new(config, Signatures::Check)
+    }
+
+    #[test]
+    fn one_signer_holds_at_most_its_share_of_live_offers() {
+        let mut v = limited(ViewConfig {
+            max_offers_per_signer: 3,
+            ..ViewConfig::default()
+        });
+        let (a, b) = (keys(1), keys(2));
+        for job in 1..=3 {
+            assert!(matches!(
+                v.on_offer(offer_item(&a, job, 1, 1, 60_000), None, NOW, 0),
+                Verdict::Accept(_)
+            ));
+        }
+        assert_eq!(
+            v.on_offer(offer_item(&a, 4, 1, 1, 60_000), None, NOW, 0),
+            Verdict::Ignore(IgnoreReason::SignerFull { held: 3 })
+        );
+        // A new version of one it holds is no new offer; another signer is not affected.
+        assert!(matches!(
+            v.on_offer(offer_item(&a, 1, 2, 1, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        assert!(matches!(
+            v.on_offer(offer_item(&b, 9, 1, 1, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        // When one expires, there is room again.
+        v.expire(NOW.plus_ms(60_000));
+        assert!(matches!(
+            v.on_offer(
+                offer_item(&a, 5, 1, 1, 120_000),
+                None,
+                NOW.plus_ms(60_000),
+                0
+            ),
+            Verdict::Accept(_)
+        ));
+    }
+
+    #[test]
+    fn one_signer_is_taken_at_its_rate_and_a_forgery_spends_none_of_it() {
+        let mut v = limited(ViewConfig {
+            offer_rate: Some(Rate {
+                burst: 2,
+                per_minute: 60,
+            }),
+            ..ViewConfig::default()
+        });
+        let a = keys(1);
+        // A forged copy (bad signature) is rejected without spending a's allowance.
+        let forged = {
+            let item = offer_item(&a, 1, 1, 1, 60_000);
+            let (payload, signer, mut sig) = item.signed.clone().into_parts();
+            sig.0[0] ^= 1;
+            Arc::new(
+                Signed::<JobOffer>::from_parts(payload, signer, sig)
+                    .open()
+                    .unwrap(),
+            )
+        };
+        for _ in 0..5 {
+            assert!(matches!(
+                v.on_offer(forged.clone(), None, NOW, 0),
+                Verdict::Reject(RejectReason::Verify(_))
+            ));
+        }
+        assert!(matches!(
+            v.on_offer(offer_item(&a, 1, 1, 1, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        assert!(matches!(
+            v.on_offer(offer_item(&a, 1, 2, 1, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        // Updates as fast as it likes: the third at once is dropped, unforwarded.
+        assert_eq!(
+            v.on_offer(offer_item(&a, 1, 3, 1, 60_000), None, NOW, 0),
+            Verdict::Ignore(IgnoreReason::RateLimited)
+        );
+        // A second later the bucket holds one more.
+        let later = NOW.plus_ms(1_000);
+        assert!(matches!(
+            v.on_offer(offer_item(&a, 1, 3, 1, 60_000), None, later, 0),
+            Verdict::Accept(_)
+        ));
+        assert_eq!(
+            v.on_offer(offer_item(&a, 1, 4, 1, 60_000), None, later, 0),
+            Verdict::Ignore(IgnoreReason::RateLimited)
+        );
+        // A full bucket is forgotten: nothing is kept per signer once it would be full.
+        v.expire(NOW.plus_ms(10_000));
+        assert!(v.offer_limiter.buckets.is_empty());
+    }
+
+    #[test]
+    fn a_deadline_beyond_any_job_is_rejected() {
+        let mut v = limited(ViewConfig::default());
+        let a = keys(1);
+        let mut o = crate::testkit::offer(
+            a.address(),
+            1,
+            vec![crate::testkit::task("t", 1, 0, 0, 1, 1_000)],
+            NOW,
+            60_000,
+            120_000,
+        );
+        o.deadline = Timestamp(u64::MAX);
+        let item = Arc::new(Signed::sign(&a, &o).open().unwrap());
+        assert!(matches!(
+            v.on_offer(item, None, NOW, 0),
+            Verdict::Reject(RejectReason::DeadlineTooFar { .. })
+        ));
+    }
+
+    #[test]
+    fn a_full_view_pushes_out_the_largest_holder_never_a_smaller_one() {
+        let size = offer_item(&keys(1), 1, 1, 200, 60_000)
+            .signed
+            .payload()
+            .len();
+        let mut v = limited(ViewConfig {
+            // Room for ten (sizes differ by a few bytes with their numbers).
+            max_offer_bytes: 10 * size + size / 2,
+            ..ViewConfig::default()
+        });
+        let (flood, honest, other) = (keys(1), keys(2), keys(3));
+        // One key fills the view.
+        for job in 1..=10 {
+            let ttl = 60_000 + job * 1_000;
+            assert!(matches!(
+                v.on_offer(offer_item(&flood, job, 1, 200, ttl), None, NOW, 0),
+                Verdict::Accept(_)
+            ));
+        }
+        // It cannot add more: it is the largest holder itself.
+        assert_eq!(
+            v.on_offer(offer_item(&flood, 11, 1, 200, 90_000), None, NOW, 0),
+            Verdict::Ignore(IgnoreReason::Full)
+        );
+        // An honest requester's offer gets in, pushing out the flood's soonest to expire.
+        assert!(matches!(
+            v.on_offer(offer_item(&honest, 100, 1, 200, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        assert_eq!(v.take_evicted().len(), 1);
+        assert!(
+            v.offer(&offer_item(&flood, 1, 1, 200, 61_000).body.job_id)
+                .is_none()
+        );
+        assert!(
+            v.offer(&offer_item(&flood, 2, 1, 200, 62_000).body.job_id)
+                .is_some()
+        );
+        assert_eq!(v.offer_count(), 10);
+        // Two more honest ones, from another key: still the flood pays.
+        assert!(matches!(
+            v.on_offer(offer_item(&other, 200, 1, 200, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        assert!(matches!(
+            v.on_offer(offer_item(&honest, 101, 1, 200, 60_000), None, NOW, 0),
+            Verdict::Accept(_)
+        ));
+        // Now the flood (7 offers) tries again: the honest (2) and other (1) stay.
+        assert_eq!(
+            v.on_offer(offer_item(&flood, 12, 1, 200, 90_000), None, NOW, 0),
+            Verdict::Ignore(IgnoreReason::Full)
+        );
+        let held = |k: &Keypair| {
+            v.offers()
+                .filter(|e| e.offer().requester == k.address())
+                .count()
+        };
+        assert_eq!((held(&flood), held(&honest), held(&other)), (7, 2, 1));
+        // The accounting returns to zero as everything expires.
+        v.expire(NOW.plus_ms(200_000));
+        assert_eq!(
+            (
+                v.offer_count(),
+                v.offer_bytes,
+                v.holders.len(),
+                v.by_bytes.len()
+            ),
+            (0, 0, 0, 0)
+        );
     }
 }

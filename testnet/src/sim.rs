@@ -373,9 +373,14 @@ impl Sim {
             },
             leases: LeaseConfig::default(),
             signatures: Signatures::Assume,
-            // Ads are made once and last the whole run.
+            // Ads are made once and last the whole run. A simulated requester stands for
+            // many real ones (it submits hundreds of jobs a second), so the per-signer
+            // limits of a real node's view are lifted.
             view: cannabis_market::ViewConfig {
                 max_ad_ttl_ms: AD_TTL_MS,
+                max_offers_per_signer: usize::MAX,
+                max_offer_bytes: usize::MAX,
+                offer_rate: None,
                 ..cannabis_market::ViewConfig::default()
             },
             ..MarketConfig::default()

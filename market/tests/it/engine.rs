@@ -82,7 +82,15 @@ fn draw_in_a_network(n: usize, seed: u64, task: &TaskSpec) -> (usize, u32, f64) 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(10))]
+    // The draw is random: a bound like "at least a quarter of the target" fails now and
+    // then for a random network (once in a few hundred). A fixed seed makes the run the
+    // same on every machine, so a failure means the sizing changed, not bad luck.
+    #![proptest_config(ProptestConfig {
+        cases: 10,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(20261203),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
 
     /// Bids per offer stay within a small multiple of the target at any network size.
     #[test]

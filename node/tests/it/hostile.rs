@@ -80,7 +80,25 @@ struct Hostile {
 }
 
 fn hostile_swarm() -> libp2p::Swarm<Hostile> {
-    libp2p::SwarmBuilder::with_new_identity()
+    hostile_swarm_with(rand_secret())
+}
+
+fn rand_secret() -> [u8; 32] {
+    *identity::Keypair::generate_ed25519()
+        .try_into_ed25519()
+        .unwrap()
+        .secret()
+        .as_ref()
+        .first_chunk::<32>()
+        .unwrap()
+}
+
+/// A hostile swarm whose identity is the ed25519 key of `secret` (the same key signs its
+/// market messages: `Keypair::from_secret(secret)`).
+fn hostile_swarm_with(secret: [u8; 32]) -> libp2p::Swarm<Hostile> {
+    let mut bytes = secret;
+    let key = identity::Keypair::ed25519_from_bytes(&mut bytes).unwrap();
+    libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
         .with_tcp(
             tcp::Config::default(),
@@ -515,5 +533,114 @@ async fn a_sync_stops_when_the_cursor_does_not_move_and_at_its_bound() {
     .await;
     assert_eq!(asked, 128, "pages asked of an endless sync");
     drop(hostile);
+    a.stop().await;
+}
+
+/// A hostile swarm subscribed to ads and offers, connected to `node` and seen subscribed.
+async fn subscribed_hostile(node: &net::TestNode, secret: [u8; 32]) -> libp2p::Swarm<Hostile> {
+    let mut hostile = hostile_swarm_with(secret);
+    let topics = Topics::new(1);
+    for t in [Topic::Ads, Topic::Offers { shard: 0 }] {
+        hostile
+            .behaviour_mut()
+            .gossipsub
+            .subscribe(&topics.ident(t))
+            .unwrap();
+    }
+    hostile.dial(node.addr.clone()).unwrap();
+    let mut subscribed = 0;
+    drive_until(&mut hostile, 10, "the node to subscribe", |e| {
+        if let SwarmEvent::Behaviour(HostileEvent::Gossipsub(gossipsub::Event::Subscribed {
+            ..
+        })) = e
+        {
+            subscribed += 1;
+        }
+        (subscribed >= 2).then_some(())
+    })
+    .await;
+    hostile
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_cannot_flood_the_view_with_offers_or_updates() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b], 2).await;
+    // The hostile peer publishes as itself: its libp2p key is its market key.
+    let secret = [66; 32];
+    let mut hostile = subscribed_hostile(&a, secret).await;
+    let keys = Keypair::from_secret(secret);
+    let topic = Topics::new(1).ident(Topic::Offers { shard: 0 });
+    let now = Timestamp(now_ms());
+    let task = cannabis_market::testkit::task("t", 1, 0, 0, 1, 1_000);
+    let offer = |job: u64, seq: u64| {
+        let mut o = cannabis_market::testkit::offer(
+            keys.address(),
+            job,
+            vec![task.clone()],
+            now,
+            600_000,
+            1_200_000,
+        );
+        o.seq = seq;
+        Signed::sign(&keys, &o).to_bytes()
+    };
+    // 400 new offers at once, then 300 new versions of one, as fast as it can.
+    let started = std::time::Instant::now();
+    let mut sent = 0;
+    for job in 1..=400 {
+        sent += usize::from(
+            hostile
+                .behaviour_mut()
+                .gossipsub
+                .publish(topic.clone(), offer(job, 1))
+                .is_ok(),
+        );
+    }
+    for seq in 2..=301 {
+        sent += usize::from(
+            hostile
+                .behaviour_mut()
+                .gossipsub
+                .publish(topic.clone(), offer(1, seq))
+                .is_ok(),
+        );
+    }
+    assert!(sent > 600, "only {sent} published");
+    drive_for(&mut hostile, 3_000).await;
+    let hostile_address = keys.address().to_string();
+    let held = |offers: Vec<cannabis_api::Offer>| {
+        offers
+            .iter()
+            .filter(|o| o.requester == hostile_address)
+            .count()
+    };
+    let on_a = held(a.handle.offers().await.unwrap());
+    let on_b = held(b.handle.offers().await.unwrap());
+    // The burst of one signer (256) and what its rate (20/s) added meanwhile, on A and on
+    // B behind it; of the 300 updates, as few.
+    let bound = 256 + 20 * (started.elapsed().as_secs() as usize + 1);
+    assert!((200..=bound).contains(&on_a), "A holds {on_a} of the flood (bound {bound})");
+    assert!(on_b <= bound, "B holds {on_b} of the flood (bound {bound})");
+    // Honest offers still reach every node.
+    let honest = b.handle.publish_offer(net::offer(60_000)).await.unwrap();
+    wait_for(
+        Duration::from_secs(10),
+        "A to see the honest offer",
+        || async {
+            a.handle
+                .offers()
+                .await
+                .ok()?
+                .iter()
+                .any(|o| o.job_id == honest.job_id)
+                .then_some(())
+        },
+    )
+    .await;
+    drop(hostile);
+    b.stop().await;
     a.stop().await;
 }
