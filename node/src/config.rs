@@ -193,6 +193,9 @@ pub struct Gossip {
     /// can draw it (see docs/protocol.md, "Gossip topics"); 1 suits networks of up to a few
     /// thousand nodes.
     pub offer_shards: u32,
+    /// The network's ledger sequencers: blocks are taken only from them (a network
+    /// parameter, the same on every node; none: no blocks are taken).
+    pub sequencers: Vec<cannabis_protocol::Address>,
 }
 
 impl Default for NodeConfig {
@@ -244,6 +247,7 @@ impl Default for Gossip {
             heartbeat_millis: 700,
             ip_colocation_threshold: 10.0,
             offer_shards: 1,
+            sequencers: Vec::new(),
         }
     }
 }

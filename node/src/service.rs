@@ -123,6 +123,11 @@ pub(crate) enum Command {
         PeerId,
         oneshot::Sender<anyhow::Result<api::ChallengeReport>>,
     ),
+    /// A gossiped block has been verified (or not) off the driver.
+    BlockChecked(
+        cannabis_market::Origin,
+        Result<(cannabis_protocol::Digest, Address, u64), cannabis_market::Verdict>,
+    ),
     /// A challenge this node answers has been proved.
     ChallengeProved(Option<cannabis_protocol::ChallengeResponse>),
     /// A challenge this node set has been checked.
@@ -222,6 +227,8 @@ pub(crate) struct Node {
     proving: Option<challenge::Proving>,
     /// Challenges answered lately (the rate limit).
     answered: challenge::Answered,
+    /// Blocks taken lately.
+    blocks: gossip::Blocks,
 }
 
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
@@ -310,6 +317,7 @@ pub async fn start(
         challenges: HashMap::new(),
         proving: None,
         answered: challenge::Answered::default(),
+        blocks: gossip::Blocks::default(),
     };
     node.drain();
     node.bootstrap();
@@ -660,6 +668,7 @@ impl Node {
             }
             Command::Challenge(peer, reply) => self.start_challenge(peer, reply),
             Command::ChallengeProved(response) => self.send_proved(response),
+            Command::BlockChecked(origin, checked) => self.block_checked(origin, checked),
             Command::ChallengeChecked(report, seed, reply) => {
                 self.record_challenge(report, seed, reply);
             }

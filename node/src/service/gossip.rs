@@ -80,10 +80,7 @@ impl Node {
                     Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
                 }
             }
-            (Some(Topic::Blocks), Some(source)) => {
-                let verdict = on_block(&message.data, &source);
-                self.on_verdict(origin, verdict);
-            }
+            (Some(Topic::Blocks), Some(source)) => self.on_block(origin, &message.data, &source),
             (None, _) | (_, None) => self.on_verdict(
                 origin,
                 Verdict::Reject(cannabis_market::RejectReason::Decode(
@@ -298,26 +295,137 @@ impl Node {
     }
 }
 
-/// Gossiped ledger blocks: structure, signatures and roots, and published by their
-/// sequencer. The ledger's own rules (height, parent, balances) are the settlement layer's.
-fn on_block(bytes: &[u8], source: &cannabis_protocol::Address) -> Verdict {
-    use cannabis_market::RejectReason;
-    let block: cannabis_protocol::Block = match cannabis_protocol::decode(bytes) {
-        Ok(b) => b,
-        Err(e) => return Verdict::Reject(RejectReason::Decode(e)),
-    };
+/// Blocks seen lately, and the highest height taken from each sequencer: a replay of a
+/// block, after gossipsub's duplicate window or not, is ignored before anything is verified.
+#[derive(Default)]
+pub(crate) struct Blocks {
+    recent: std::collections::HashSet<cannabis_protocol::Digest>,
+    order: std::collections::VecDeque<cannabis_protocol::Digest>,
+    highest: std::collections::HashMap<cannabis_protocol::Address, u64>,
+}
+
+/// Blocks remembered by hash; one further below a sequencer's highest is stale.
+const RECENT_BLOCKS: usize = 1024;
+
+impl Blocks {
+    /// The cheap checks of a gossiped block, in order, before any signature: it decodes;
+    /// its header names the gossip author as its sequencer; the sequencer is one of the
+    /// network's; the block is not one seen before, nor older than the recent ones. `Ok`:
+    /// verify it (off the driver) and then [`Blocks::taken`].
+    fn precheck(
+        &self,
+        bytes: &[u8],
+        source: &cannabis_protocol::Address,
+        sequencers: &[cannabis_protocol::Address],
+    ) -> Result<cannabis_protocol::Block, Verdict> {
+        use cannabis_market::{IgnoreReason, RejectReason};
+        let block: cannabis_protocol::Block = cannabis_protocol::decode(bytes)
+            .map_err(|e| Verdict::Reject(RejectReason::Decode(e)))?;
+        let header = block
+            .header
+            .clone()
+            .open()
+            .map_err(|e| Verdict::Reject(RejectReason::Verify(e)))?;
+        let sequencer = header.body.sequencer;
+        if sequencer != *source {
+            return Err(Verdict::Reject(RejectReason::NotFromSigner {
+                source_addr: *source,
+                signer: sequencer,
+            }));
+        }
+        if !sequencers.contains(&sequencer) {
+            return Err(Verdict::Reject(RejectReason::Decode(
+                cannabis_protocol::DecodeError::Malformed {
+                    kind: "block",
+                    reason: format!("{sequencer} is not a sequencer of this network"),
+                },
+            )));
+        }
+        if self.recent.contains(&block.hash()) {
+            return Err(Verdict::Ignore(IgnoreReason::Duplicate));
+        }
+        if let Some(&h) = self.highest.get(&sequencer)
+            && header.body.height.saturating_add(RECENT_BLOCKS as u64) <= h
+        {
+            return Err(Verdict::Ignore(IgnoreReason::Stale { held: h }));
+        }
+        Ok(block)
+    }
+
+    /// Remembers a block that verified.
+    fn taken(
+        &mut self,
+        hash: cannabis_protocol::Digest,
+        sequencer: cannabis_protocol::Address,
+        height: u64,
+    ) {
+        if self.recent.insert(hash) {
+            self.order.push_back(hash);
+            if self.order.len() > RECENT_BLOCKS
+                && let Some(old) = self.order.pop_front()
+            {
+                self.recent.remove(&old);
+            }
+        }
+        let h = self.highest.entry(sequencer).or_default();
+        *h = (*h).max(height);
+    }
+}
+
+/// The full check of a block that passed the cheap ones: the header's signature, every
+/// transaction's, the roots.
+fn verify_block(
+    block: &cannabis_protocol::Block,
+) -> Result<(cannabis_protocol::Address, u64), Verdict> {
     match block.verify() {
-        Ok((header, _)) if header.signer == *source => Verdict::Accept(block.hash()),
-        Ok((header, _)) => Verdict::Reject(RejectReason::NotFromSigner {
-            source_addr: *source,
-            signer: header.signer,
-        }),
-        Err(e) => Verdict::Reject(RejectReason::Decode(
+        Ok((header, _)) => Ok((header.body.sequencer, header.body.height)),
+        Err(e) => Err(Verdict::Reject(cannabis_market::RejectReason::Decode(
             cannabis_protocol::DecodeError::Malformed {
                 kind: "block",
                 reason: e.to_string(),
             },
-        )),
+        ))),
+    }
+}
+
+impl Node {
+    /// A gossiped block: the cheap checks here, the signatures off the driver (a block of
+    /// 1 MiB takes a few hundred milliseconds to verify).
+    fn on_block(&mut self, origin: Origin, bytes: &[u8], source: &cannabis_protocol::Address) {
+        let block = match self
+            .blocks
+            .precheck(bytes, source, &self.config.gossip.sequencers)
+        {
+            Ok(b) => b,
+            Err(verdict) => return self.on_verdict(origin, verdict),
+        };
+        let tx = self.self_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let hash = block.hash();
+            let checked = verify_block(&block).map(|(seq, height)| (hash, seq, height));
+            let _ = tx.blocking_send(Command::BlockChecked(origin, checked));
+        });
+    }
+
+    /// The verdict on a block verified off the driver.
+    pub(super) fn block_checked(
+        &mut self,
+        origin: Origin,
+        checked: Result<(cannabis_protocol::Digest, cannabis_protocol::Address, u64), Verdict>,
+    ) {
+        let verdict = match checked {
+            Ok((hash, sequencer, height)) => {
+                if self.blocks.recent.contains(&hash) {
+                    // The same block came twice while the first was being verified.
+                    Verdict::Ignore(cannabis_market::IgnoreReason::Duplicate)
+                } else {
+                    self.blocks.taken(hash, sequencer, height);
+                    Verdict::Accept(hash)
+                }
+            }
+            Err(v) => v,
+        };
+        self.on_verdict(origin, verdict);
     }
 }
 
@@ -363,5 +471,62 @@ impl Node {
                 debug!(%peer, error = %e, "cannot dial a peer of an unheard shard");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cannabis_protocol::{Block, Digest, Keypair, Timestamp};
+
+    use super::*;
+
+    fn block(k: &Keypair, height: u64) -> Vec<u8> {
+        let b = Block::build(k, height, Digest::of(b"prev"), Timestamp(1), Vec::new()).unwrap();
+        cannabis_protocol::encode(&b)
+    }
+
+    #[test]
+    fn blocks_come_only_from_the_networks_sequencers_and_only_once() {
+        let (seq, other) = (Keypair::from_secret([1; 32]), Keypair::from_secret([2; 32]));
+        let sequencers = [seq.address()];
+        let mut blocks = Blocks::default();
+        // Signed by a key that is not the network's sequencer, published by itself.
+        let stranger = block(&other, 1);
+        assert!(matches!(
+            blocks.precheck(&stranger, &other.address(), &sequencers),
+            Err(Verdict::Reject(_))
+        ));
+        // The sequencer's, relayed as published by someone else.
+        let good = block(&seq, 1);
+        assert!(matches!(
+            blocks.precheck(&good, &other.address(), &sequencers),
+            Err(Verdict::Reject(
+                cannabis_market::RejectReason::NotFromSigner { .. }
+            ))
+        ));
+        // The sequencer's own: checked in full, then taken once.
+        let b = blocks.precheck(&good, &seq.address(), &sequencers).unwrap();
+        let (s, h) = verify_block(&b).unwrap();
+        blocks.taken(b.hash(), s, h);
+        assert!(matches!(
+            blocks.precheck(&good, &seq.address(), &sequencers),
+            Err(Verdict::Ignore(cannabis_market::IgnoreReason::Duplicate))
+        ));
+        // Far below the highest height: stale, whatever its hash.
+        let top = blocks
+            .precheck(&block(&seq, 5_000), &seq.address(), &sequencers)
+            .unwrap();
+        blocks.taken(top.hash(), seq.address(), 5_000);
+        assert!(matches!(
+            blocks.precheck(&block(&seq, 2), &seq.address(), &sequencers),
+            Err(Verdict::Ignore(cannabis_market::IgnoreReason::Stale { .. }))
+        ));
+        // Nothing is remembered without bound.
+        for height in 5_001..5_001 + 2 * RECENT_BLOCKS as u64 {
+            let b: Block = cannabis_protocol::decode(&block(&seq, height)).unwrap();
+            blocks.taken(b.hash(), seq.address(), height);
+        }
+        assert_eq!(blocks.recent.len(), RECENT_BLOCKS);
+        assert_eq!(blocks.order.len(), RECENT_BLOCKS);
     }
 }

@@ -72,11 +72,11 @@ impl Behaviour {
         // signature would be a second check of the same author on every hop: messages carry
         // their author's peer id unsigned (the market rejects one whose author is not the
         // envelope's signer).
+        let topics = topics::Topics::new(config.gossip.offer_shards);
         let mut gossipsub = gossipsub::Behaviour::new(
             gossipsub::MessageAuthenticity::Author(peer_id),
-            gossip_config(config)?,
+            gossip_config(config, &topics)?,
         )?;
-        let topics = topics::Topics::new(config.gossip.offer_shards);
         let (params, thresholds) =
             topics::peer_score(config.gossip.ip_colocation_threshold, &topics);
         gossipsub.with_peer_score(params, thresholds)?;
@@ -152,14 +152,36 @@ impl Behaviour {
     }
 }
 
-fn gossip_config(config: &NodeConfig) -> Result<gossipsub::Config, BoxError> {
+/// Room for gossipsub's own fields around a payload (topic name, author, sequence number).
+const GOSSIP_FIELDS: usize = 512;
+
+/// The largest message each topic carries: its kind's cap and the envelope. A bigger one
+/// is an invalid message (it counts against the peer's score), not a silent drop.
+fn topic_cap(topic: topics::Topic) -> usize {
+    use cannabis_protocol::{Block, CapabilityAd, ENVELOPE_OVERHEAD, JobOffer, Wire as _};
+    let kind = match topic {
+        topics::Topic::Ads => CapabilityAd::MAX_SIZE + ENVELOPE_OVERHEAD,
+        topics::Topic::Offers { .. } => JobOffer::MAX_SIZE + ENVELOPE_OVERHEAD,
+        topics::Topic::Blocks => Block::MAX_SIZE + ENVELOPE_OVERHEAD,
+    };
+    kind + GOSSIP_FIELDS
+}
+
+fn gossip_config(
+    config: &NodeConfig,
+    topics: &topics::Topics,
+) -> Result<gossipsub::Config, BoxError> {
     // Mesh sizes: checked here because the builder does not check
     // mesh_outbound_min <= mesh_n_low <= mesh_n <= mesh_n_high.
     let (outbound_min, low, n, high) = (2, 4, 6, 12);
     if !(outbound_min <= low && low <= n && n <= high) {
         return Err("gossip mesh sizes out of order".into());
     }
-    Ok(gossipsub::ConfigBuilder::default()
+    let mut builder = gossipsub::ConfigBuilder::default();
+    for (hash, topic) in topics.all() {
+        builder.max_transmit_size_for_topic(topic_cap(*topic), hash.clone());
+    }
+    Ok(builder
         .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
         .validation_mode(gossipsub::ValidationMode::Permissive)
         .validate_messages()

@@ -622,7 +622,10 @@ async fn one_key_cannot_flood_the_view_with_offers_or_updates() {
     // The burst of one signer (256) and what its rate (20/s) added meanwhile, on A and on
     // B behind it; of the 300 updates, as few.
     let bound = 256 + 20 * (started.elapsed().as_secs() as usize + 1);
-    assert!((200..=bound).contains(&on_a), "A holds {on_a} of the flood (bound {bound})");
+    assert!(
+        (200..=bound).contains(&on_a),
+        "A holds {on_a} of the flood (bound {bound})"
+    );
     assert!(on_b <= bound, "B holds {on_b} of the flood (bound {bound})");
     // Honest offers still reach every node.
     let honest = b.handle.publish_offer(net::offer(60_000)).await.unwrap();
