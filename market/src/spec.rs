@@ -59,9 +59,11 @@ pub struct OfferTemplate {
     /// A name for people; kept by the requester's node, not published.
     #[serde(default)]
     pub name: Option<String>,
-    /// A job id to use; a random one when absent.
+    /// The nonce the job id is derived from with the requester's key
+    /// ([`cannabis_protocol::job_id_of`]): the same nonce gives the same id, so a
+    /// resubmission is refused as a duplicate; a random one when absent.
     #[serde(default)]
-    pub job_id: Option<Uuid>,
+    pub nonce: Option<Uuid>,
     /// The tasks; the budget is their sum.
     pub tasks: Vec<TaskSpec>,
     /// How long bids are taken, in milliseconds.
@@ -391,7 +393,7 @@ impl JobSpec {
         }
         Ok(OfferTemplate {
             name: Some(self.name.clone()),
-            job_id: None,
+            nonce: None,
             tasks,
             ttl_ms: self.bid_window_ms,
             deadline_ms: self.deadline_ms,

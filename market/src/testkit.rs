@@ -171,8 +171,10 @@ pub fn offer(
     let mut id = [0u8; 16];
     id[..8].copy_from_slice(&job.to_le_bytes());
     let budget = Amount(tasks.iter().map(|t| t.budget.0).sum());
+    let nonce = Uuid::from_random(id);
     JobOffer {
-        job_id: Uuid::from_random(id),
+        job_id: cannabis_protocol::job_id_of(&requester, &nonce),
+        nonce,
         requester,
         seq: job,
         issued_at: now,
@@ -193,7 +195,7 @@ pub fn offer(
 pub fn template(tasks: Vec<TaskSpec>, window_ms: u64, deadline_ms: u64) -> crate::OfferTemplate {
     crate::OfferTemplate {
         name: None,
-        job_id: None,
+        nonce: None,
         tasks,
         ttl_ms: window_ms,
         deadline_ms,

@@ -29,6 +29,7 @@ pub use market::{Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezv
 pub use offer::{
     AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_TASKS, OutputDecl, OutputRights,
     Requirements, Resources, RuntimeRequirement, TaskInput, TaskSpec, Workload, is_safe_name,
+    job_id_of,
 };
 
 /// Implements [`crate::Wire`] (and optionally [`crate::Message`]'s domain) for a type.

@@ -114,7 +114,7 @@ fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64, u64)> {
 pub fn bench_offer(k: usize) -> OfferTemplate {
     OfferTemplate {
         name: None,
-        job_id: None,
+        nonce: None,
         tasks: vec![TaskSpec {
             name: format!("bench-{k}"),
             workload: Workload {

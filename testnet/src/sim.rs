@@ -559,7 +559,7 @@ impl Sim {
         if capacity {
             t.early = Some(Early::FirstBids(4));
         }
-        t.job_id = Some(Uuid::from_random({
+        t.nonce = Some(Uuid::from_random({
             let mut b = [0u8; 16];
             b[..8].copy_from_slice(&(j as u64).to_le_bytes());
             b[8..].copy_from_slice(&self.config.seed.to_le_bytes());

@@ -27,7 +27,8 @@ impl Market {
     ) -> Result<CommandOk, CommandError> {
         let now = self.now;
         let me = self.me.address;
-        let job_id = t.job_id.unwrap_or_else(|| Uuid::from_random(nonce));
+        let nonce = t.nonce.unwrap_or_else(|| Uuid::from_random(nonce));
+        let job_id = cannabis_protocol::job_id_of(&me, &nonce);
         if self.jobs.contains_key(&job_id)
             || self.bare.contains_key(&job_id)
             || self.view.offer(&job_id).is_some()
@@ -53,6 +54,7 @@ impl Market {
             .collect();
         let mut offer = JobOffer {
             job_id,
+            nonce,
             requester: me,
             seq: 0,
             issued_at: now,

@@ -285,7 +285,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let quote = Quote::for_budget(budget, cannabis_protocol::FOUNDER_FEE_BPS)?;
     let template = OfferTemplate {
         name: Some("demo".into()),
-        job_id: None,
+        nonce: None,
         tasks: vec![TaskSpec {
             name: "proof-of-compute".into(),
             workload: Workload {

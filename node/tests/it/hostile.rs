@@ -647,3 +647,55 @@ async fn one_key_cannot_flood_the_view_with_offers_or_updates() {
     b.stop().await;
     a.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nobody_can_take_a_requesters_job_id_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b], 2).await;
+    let secret = [67; 32];
+    let mut hostile = subscribed_hostile(&a, secret).await;
+    let keys = Keypair::from_secret(secret);
+    // The hostile peer knows (or guesses) the job id B's next offer will have, and gossips
+    // an offer of its own under that id first.
+    let nonce = cannabis_protocol::Uuid::from_random([5; 16]);
+    let taken = cannabis_protocol::job_id_of(&b.handle.address(), &nonce);
+    let now = Timestamp(now_ms());
+    let mut squat = cannabis_market::testkit::offer(
+        keys.address(),
+        1,
+        vec![cannabis_market::testkit::task("t", 1, 0, 0, 1, 1_000)],
+        now,
+        600_000,
+        1_200_000,
+    );
+    squat.job_id = taken;
+    let topic = Topics::new(1).ident(Topic::Offers { shard: 0 });
+    hostile
+        .behaviour_mut()
+        .gossipsub
+        .publish(topic, Signed::sign(&keys, &squat).to_bytes())
+        .unwrap();
+    drive_for(&mut hostile, 1_000).await;
+    assert!(
+        a.handle.offers().await.unwrap().is_empty(),
+        "an offer under someone else's job id got in"
+    );
+    // B's offer with that id reaches A.
+    let mut template = net::offer(60_000);
+    template.nonce = Some(nonce);
+    let published = b.handle.publish_offer(template).await.unwrap();
+    assert_eq!(published.job_id, taken.to_string());
+    wait_for(Duration::from_secs(10), "A to see B's offer", || async {
+        let offers = a.handle.offers().await.ok()?;
+        offers
+            .iter()
+            .any(|o| o.job_id == published.job_id && o.requester == b.handle.address().to_string())
+            .then_some(())
+    })
+    .await;
+    drop(hostile);
+    b.stop().await;
+    a.stop().await;
+}

@@ -11,13 +11,31 @@ use crate::{
 /// Most tasks one offer may hold.
 pub const MAX_TASKS: usize = 256;
 
+/// A job's id: the first 16 bytes of `SHA-256("cannabis/job-id/v1" || 0x00 || the
+/// requester's 32-byte public key || nonce)`, with the version 4 and variant bits set. A
+/// job id names one requester's job: another key cannot sign an offer carrying it.
+pub fn job_id_of(requester: &Address, nonce: &Uuid) -> Uuid {
+    let d = Digest::of_parts(&[
+        b"cannabis/job-id/v1",
+        &[0],
+        requester.public_key(),
+        &nonce.0,
+    ]);
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&d.0[..16]);
+    Uuid::from_random(id)
+}
+
 /// A budgeted job offer. A single job is one task; several tasks form a task graph whose
 /// dependencies point only to earlier tasks (so it is acyclic by construction).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
 pub struct JobOffer {
-    /// The job's id, chosen at random by the requester.
+    /// The job's id: [`job_id_of`] the requester and the nonce, so that nobody but the
+    /// requester can make an offer with it.
     pub job_id: Uuid,
+    /// The requester's nonce, chosen at random.
+    pub nonce: Uuid,
     /// The requester; must be the signer.
     pub requester: Address,
     /// Per-requester sequence number (replay protection).
@@ -341,6 +359,12 @@ impl Message for JobOffer {
     }
 
     fn validate(&self) -> Result<(), Invalid> {
+        if self.job_id != job_id_of(&self.requester, &self.nonce) {
+            return Err(Invalid::new(
+                "job_id",
+                "is not derived from the requester and the nonce",
+            ));
+        }
         if self.expires_at <= self.issued_at {
             return Err(Invalid::new("expires_at", "must be after issued_at"));
         }

@@ -311,8 +311,10 @@ fn task(name: &str, budget: u64) -> TaskSpec {
 }
 
 fn offer(tasks: Vec<TaskSpec>, budget: u64) -> JobOffer {
+    let nonce = Uuid([1; 16]);
     JobOffer {
-        job_id: Uuid([1; 16]),
+        job_id: job_id_of(&keys(7).address(), &nonce),
+        nonce,
         requester: keys(7).address(),
         seq: 1,
         issued_at: Timestamp(0),
@@ -347,6 +349,14 @@ fn offers_are_checked_field_by_field() {
     }];
     let good = offer(vec![task("train", 600), second.clone()], 1000);
     assert_eq!(offer_error(&good), None);
+
+    // A job id not derived from the requester and nonce: another requester's id, taken.
+    let mut squatted = good.clone();
+    squatted.job_id = job_id_of(&keys(9).address(), &good.nonce);
+    assert_eq!(offer_error(&squatted).unwrap().field, "job_id");
+    let mut renonced = good.clone();
+    renonced.nonce = Uuid([2; 16]);
+    assert_eq!(offer_error(&renonced).unwrap().field, "job_id");
 
     let bad_budget = offer(vec![task("train", 600), second.clone()], 999);
     assert_eq!(offer_error(&bad_budget).unwrap().field, "budget");
