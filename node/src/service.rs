@@ -231,6 +231,23 @@ pub(crate) struct Node {
     blocks: gossip::Blocks,
 }
 
+/// How often the node does its upkeep.
+const UPKEEP: Duration = Duration::from_secs(10);
+
+/// Decays every score by `APP_DECAY` a second over `over`, dropping those within 1 of 0;
+/// returns the new scores to tell gossipsub.
+fn decay_scores(scores: &mut HashMap<PeerId, f64>, over: Duration) -> Vec<(PeerId, f64)> {
+    let keep = swarm::APP_DECAY.powf(over.as_secs_f64());
+    let mut changed = Vec::with_capacity(scores.len());
+    scores.retain(|peer, score| {
+        *score *= keep;
+        let faded = score.abs() < 1.0;
+        changed.push((*peer, if faded { 0.0 } else { *score }));
+        !faded
+    });
+    changed
+}
+
 /// Starts a node: opens the store, builds the swarm, starts listening and dialing, and
 /// spawns the driver. The executor opens and the machine is probed in the background (off
 /// the driver), so the swarm is up at once. Returns the handle and the driver's task.
@@ -423,7 +440,7 @@ impl Node {
         let mut ad_timer =
             tokio::time::interval(Duration::from_secs(self.config.gossip.ad_refresh_secs));
         ad_timer.tick().await;
-        let mut upkeep = tokio::time::interval(Duration::from_secs(10));
+        let mut upkeep = tokio::time::interval(UPKEEP);
         upkeep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             // The engine is woken exactly when it asks (end of a bid window, an award's
@@ -455,6 +472,7 @@ impl Node {
                     self.publish_ad_now();
                 }
                 _ = upkeep.tick() => {
+                    self.decay_penalties(UPKEEP);
                     self.catch_up();
                     self.reach_every_shard();
                     self.trim_connections();
@@ -1003,6 +1021,18 @@ impl Node {
     }
 
     /// Lowers a peer's application score after a bad directed request or sync page.
+    /// Lets application penalties fade (at `APP_DECAY` a second) and forgets the ones
+    /// that have: a peer's penalty is a debt that is paid down, and throwaway ids leave
+    /// nothing behind.
+    fn decay_penalties(&mut self, over: Duration) {
+        for (peer, score) in decay_scores(&mut self.app_scores, over) {
+            self.swarm
+                .behaviour_mut()
+                .gossipsub
+                .set_application_score(&peer, score);
+        }
+    }
+
     fn penalize(&mut self, peer: PeerId, by: f64, why: &str) {
         let score = self.app_scores.entry(peer).or_insert(0.0);
         *score -= by;
@@ -1012,5 +1042,30 @@ impl Node {
             .gossipsub
             .set_application_score(&peer, score);
         warn!(%peer, score, why, "peer penalized");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn application_penalties_fade_and_are_forgotten() {
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let mut scores = HashMap::from([(a, -200.0), (b, -20.0)]);
+        let changed = decay_scores(&mut scores, Duration::from_secs(10));
+        assert_eq!(changed.len(), 2);
+        let left = scores[&a];
+        assert!(left > -200.0 && left < -150.0, "{left}");
+        // Long enough, and both are forgotten: gossipsub is told 0.
+        let mut told = Vec::new();
+        for _ in 0..60 {
+            told = decay_scores(&mut scores, Duration::from_secs(10));
+            if scores.is_empty() {
+                break;
+            }
+        }
+        assert!(scores.is_empty(), "{scores:?}");
+        assert!(told.iter().all(|(_, s)| *s == 0.0));
     }
 }

@@ -97,11 +97,19 @@ impl Topics {
     }
 }
 
+/// What the count of a peer's invalid messages keeps each second.
+pub const INVALID_DECAY: f64 = 0.98;
+
+/// What a peer's application penalty (P5) keeps each second: the same pace as P4.
+pub const APP_DECAY: f64 = INVALID_DECAY;
+
 /// Peer scoring. One invalid message (a forgery, garbage, an expired or oversized message)
 /// costs -100, below the graylist threshold, so a peer that sends one is ignored until its
-/// penalty decays (to 30% each second, to zero within about 10 s for a single offence,
-/// longer for repeated ones: the penalty is the square of the count). Honest peers never
-/// forward an invalid message, because every node validates before forwarding.
+/// penalty decays: the count keeps 98% each second, so one offence keeps a peer graylisted
+/// for about 5 s and below the publish threshold for about 17 s, and the penalty is the
+/// square of the count, so a peer that keeps sending invalid messages, even one every few
+/// seconds, stays graylisted. Honest peers never forward an invalid message, because every
+/// node validates before forwarding.
 pub fn peer_score(
     ip_colocation_threshold: f64,
     topics: &Topics,
@@ -122,7 +130,7 @@ pub fn peer_score(
         mesh_failure_penalty_weight: 0.0,
         // P4: invalid messages.
         invalid_message_deliveries_weight: -100.0,
-        invalid_message_deliveries_decay: 0.3,
+        invalid_message_deliveries_decay: INVALID_DECAY,
         ..TopicScoreParams::default()
     };
     let params = PeerScoreParams {

@@ -699,3 +699,34 @@ async fn nobody_can_take_a_requesters_job_id_first() {
     b.stop().await;
     a.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_keeps_sending_invalid_messages_stays_penalized() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let mut hostile = subscribed_hostile(&a, rand_secret()).await;
+    let hostile_id = hostile.local_peer_id().to_string();
+    let topic = Topics::new(1).ident(Topic::Offers { shard: 0 });
+    // One invalid message every two seconds: before each next one, the peer's score on A
+    // is still below the publish threshold (-50). (With a count that lost 70% a second,
+    // it was back near 0 within two.)
+    let mut scores = Vec::new();
+    for i in 0..6u8 {
+        let garbage = format!("not an offer {i}").into_bytes();
+        let _ = hostile
+            .behaviour_mut()
+            .gossipsub
+            .publish(topic.clone(), garbage);
+        drive_for(&mut hostile, 2_000).await;
+        let peers = a.handle.peers().await.unwrap();
+        let score = peers
+            .iter()
+            .find(|p| p.peer_id == hostile_id)
+            .map(|p| p.score)
+            .expect("the hostile peer is still connected");
+        scores.push(score);
+    }
+    assert!(scores.iter().all(|s| *s < -50.0), "scores {scores:?}");
+    drop(hostile);
+    a.stop().await;
+}
