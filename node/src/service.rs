@@ -473,6 +473,7 @@ impl Node {
                 }
                 _ = upkeep.tick() => {
                     self.decay_penalties(UPKEEP);
+                    self.drop_graylisted();
                     self.catch_up();
                     self.reach_every_shard();
                     self.trim_connections();
@@ -843,6 +844,11 @@ impl Node {
                 ..
             } => {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
+                if self.graylisted(&peer_id) {
+                    debug!(peer = %peer_id, "graylisted peer came back: disconnected");
+                    let _ = self.swarm.disconnect_peer_id(peer_id);
+                    return;
+                }
                 self.dialing.remove(&peer_id);
                 self.connections.entry(peer_id).or_default().push(Link {
                     id: connection_id,
@@ -1030,6 +1036,30 @@ impl Node {
                 .behaviour_mut()
                 .gossipsub
                 .set_application_score(&peer, score);
+        }
+    }
+
+    /// Whether `peer` is graylisted: nothing it asks is served, and it is disconnected.
+    pub(super) fn graylisted(&self, peer: &PeerId) -> bool {
+        self.swarm
+            .behaviour()
+            .gossipsub
+            .peer_score(peer)
+            .is_some_and(|s| s < swarm::GRAYLIST_THRESHOLD)
+    }
+
+    /// Disconnects graylisted peers: they cost CPU and give nothing. (Gossipsub keeps a
+    /// peer's score for an hour after it leaves, so one that comes back is let go again.)
+    fn drop_graylisted(&mut self) {
+        let bad: Vec<PeerId> = self
+            .connections
+            .keys()
+            .filter(|p| self.graylisted(p))
+            .copied()
+            .collect();
+        for peer in bad {
+            info!(%peer, "graylisted: disconnected");
+            let _ = self.swarm.disconnect_peer_id(peer);
         }
     }
 

@@ -9,7 +9,7 @@ pub use behaviour::{
     MARKET_PROTOCOL, MAX_TRANSMIT_SIZE, SYNC_PROTOCOL, address_of, peer_of,
 };
 pub use codec::Codec;
-pub use topics::{APP_DECAY, INVALID_DECAY, Topic, Topics, peer_score};
+pub use topics::{APP_DECAY, GRAYLIST_THRESHOLD, INVALID_DECAY, Topic, Topics, peer_score};
 
 use std::time::Duration;
 

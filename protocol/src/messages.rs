@@ -27,9 +27,9 @@ pub use ledger::{
 };
 pub use market::{Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, RosterEntry};
 pub use offer::{
-    AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_TASKS, OutputDecl, OutputRights,
-    Requirements, Resources, RuntimeRequirement, TaskInput, TaskSpec, Workload, is_safe_name,
-    job_id_of,
+    AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_GROUP_SIZE, MAX_TASKS, OutputDecl,
+    OutputRights, Requirements, Resources, RuntimeRequirement, TaskInput, TaskSpec, Workload,
+    is_safe_name, job_id_of,
 };
 
 /// Implements [`crate::Wire`] (and optionally [`crate::Message`]'s domain) for a type.

@@ -182,7 +182,9 @@ impl Node {
         let claim = self.market.view().ad(&self.address).map(|e| Claim {
             cpu_cores: e.ad().hardware.cpu_cores,
         });
-        let refusal = if self.proving.is_some() {
+        let refusal = if self.graylisted(&peer) {
+            Err("graylisted: too many invalid messages".to_string())
+        } else if self.proving.is_some() {
             Err("busy with another challenge; try again later".to_string())
         } else if let Some(why) = self.answered.refusal(&peer, Instant::now()) {
             Err(why)

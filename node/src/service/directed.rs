@@ -134,6 +134,15 @@ impl Node {
         request: MarketRequest,
         channel: ResponseChannel<MarketResponse>,
     ) {
+        if self.graylisted(&peer) {
+            self.answer(
+                channel,
+                MarketResponse::Refused {
+                    reason: "graylisted: too many invalid messages".into(),
+                },
+            );
+            return;
+        }
         let Some(from) = swarm::address_of(&peer) else {
             self.answer(
                 channel,
@@ -267,7 +276,16 @@ impl Node {
                     },
                 ..
             } => {
-                let page = self.sync_page(&request);
+                // A graylisted peer gets an empty page: nothing to encode.
+                let page = if self.graylisted(&peer) {
+                    SyncResponse {
+                        ads: Vec::new(),
+                        offers: Vec::new(),
+                        more: false,
+                    }
+                } else {
+                    self.sync_page(&request)
+                };
                 if self
                     .swarm
                     .behaviour_mut()

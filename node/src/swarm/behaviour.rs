@@ -39,7 +39,7 @@ pub const MAX_TRANSMIT_SIZE: usize =
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
     pub(crate) limits: connection_limits::Behaviour,
-    pub(crate) gossipsub: gossipsub::Behaviour,
+    pub(crate) gossipsub: gossipsub::Behaviour<gossipsub::IdentityTransform, SubscriptionFilter>,
     pub(crate) kad: kad::Behaviour<kad::store::MemoryStore>,
     pub(crate) identify: identify::Behaviour,
     pub(crate) ping: ping::Behaviour,
@@ -55,6 +55,21 @@ pub struct Behaviour {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Which subscriptions of a peer the node keeps track of: only its own network's topics,
+/// and no more than there are (a peer subscribing to 100,000 topics costs nothing).
+pub(crate) type SubscriptionFilter =
+    gossipsub::MaxCountSubscriptionFilter<gossipsub::WhitelistSubscriptionFilter>;
+
+fn subscription_filter(topics: &topics::Topics) -> SubscriptionFilter {
+    let known: std::collections::HashSet<_> = topics.all().map(|(h, _)| h.clone()).collect();
+    let n = known.len();
+    gossipsub::MaxCountSubscriptionFilter {
+        filter: gossipsub::WhitelistSubscriptionFilter(known),
+        max_subscribed_topics: n,
+        max_subscriptions_per_request: 2 * n,
+    }
+}
+
 impl Behaviour {
     pub(crate) fn new(
         key: &identity::Keypair,
@@ -64,6 +79,11 @@ impl Behaviour {
         let peer_id = key.public().to_peer_id();
         let limits = connection_limits::ConnectionLimits::default()
             .with_max_established(Some(config.limits.max_established))
+            // A quarter of the slots stay for this node's own dials: inbound connections
+            // alone cannot cut it off from the peers it chooses.
+            .with_max_established_incoming(Some(
+                config.limits.max_established - config.limits.max_established / 4,
+            ))
             .with_max_established_per_peer(Some(config.limits.max_established_per_peer))
             .with_max_pending_incoming(Some(config.limits.max_pending_incoming))
             .with_max_pending_outgoing(Some(config.limits.max_pending_outgoing));
@@ -73,9 +93,10 @@ impl Behaviour {
         // their author's peer id unsigned (the market rejects one whose author is not the
         // envelope's signer).
         let topics = topics::Topics::new(config.gossip.offer_shards);
-        let mut gossipsub = gossipsub::Behaviour::new(
+        let mut gossipsub = gossipsub::Behaviour::new_with_subscription_filter(
             gossipsub::MessageAuthenticity::Author(peer_id),
             gossip_config(config, &topics)?,
+            subscription_filter(&topics),
         )?;
         let (params, thresholds) =
             topics::peer_score(config.gossip.ip_colocation_threshold, &topics);

@@ -42,8 +42,13 @@ pub(crate) async fn read_frame<T: Wire, R: AsyncRead + Unpin>(io: &mut R) -> io:
             ),
         ));
     }
-    let mut body = vec![0u8; len];
-    io.read_exact(&mut body).await?;
+    // Grown as bytes arrive, not allocated to the declared length: a peer that declares
+    // 4 MiB and sends nothing costs nothing.
+    let mut body = Vec::with_capacity(len.min(64 * 1024));
+    io.take(len as u64).read_to_end(&mut body).await?;
+    if body.len() != len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     cannabis_protocol::decode(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 

@@ -97,6 +97,9 @@ impl Topics {
     }
 }
 
+/// Below this score a peer is ignored: its gossip, its directed requests, its connections.
+pub const GRAYLIST_THRESHOLD: f64 = -80.0;
+
 /// What the count of a peer's invalid messages keeps each second.
 pub const INVALID_DECAY: f64 = 0.98;
 
@@ -157,7 +160,7 @@ pub fn peer_score(
     let thresholds = PeerScoreThresholds {
         gossip_threshold: -10.0,
         publish_threshold: -50.0,
-        graylist_threshold: -80.0,
+        graylist_threshold: GRAYLIST_THRESHOLD,
         accept_px_threshold: 10.0,
         opportunistic_graft_threshold: 5.0,
     };

@@ -10,6 +10,8 @@ use crate::{
 
 /// Most tasks one offer may hold.
 pub const MAX_TASKS: usize = 256;
+/// Most ranks of one group task.
+pub const MAX_GROUP_SIZE: u32 = 1024;
 
 /// A job's id: the first 16 bytes of `SHA-256("cannabis/job-id/v1" || 0x00 || the
 /// requester's 32-byte public key || nonce)`, with the version 4 and variant bits set. A
@@ -296,8 +298,8 @@ fn check_unique<'a>(
 
 impl JobOffer {
     fn validate_task(&self, index: usize, task: &TaskSpec) -> Result<(), Invalid> {
-        if task.group_size == 0 {
-            return Err(Invalid::new("tasks.group_size", "must be at least 1"));
+        if task.group_size == 0 || task.group_size > MAX_GROUP_SIZE {
+            return Err(Invalid::new("tasks.group_size", "must be 1 to 1024"));
         }
         let mut deps = std::collections::BTreeSet::new();
         for &d in &task.depends_on {

@@ -354,6 +354,9 @@ fn offers_are_checked_field_by_field() {
     let mut squatted = good.clone();
     squatted.job_id = job_id_of(&keys(9).address(), &good.nonce);
     assert_eq!(offer_error(&squatted).unwrap().field, "job_id");
+    let mut huge = good.clone();
+    huge.tasks[1].group_size = u32::MAX;
+    assert_eq!(offer_error(&huge).unwrap().field, "tasks.group_size");
     let mut renonced = good.clone();
     renonced.nonce = Uuid([2; 16]);
     assert_eq!(offer_error(&renonced).unwrap().field, "job_id");
