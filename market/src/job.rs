@@ -25,7 +25,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, Decline, Digest, JobOffer, LeaseAccept, LeaseRenewal,
-    MoneyError, NamedDigest, Rendezvous, RosterEntry, TaskInput, Timestamp, Uuid, message_id,
+    MoneyError, NamedDigest, PublicKeyBytes, Rendezvous, RosterEntry, SignatureBytes, Signed,
+    TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -227,6 +228,10 @@ pub struct Task {
     status: TaskStatus,
     /// Valid bids, newest per worker.
     bids: BTreeMap<Address, Candidate>,
+    /// The signatures of the bids held, by worker: with the bid, the signed message, to
+    /// show as evidence if the worker signs a conflicting one.
+    #[serde(default)]
+    signatures: BTreeMap<Address, SignatureBytes>,
     /// Signed reasons of workers that declined.
     declines: BTreeMap<Address, String>,
     /// Workers whose assignment ended without delivering; not placed again.
@@ -354,7 +359,28 @@ pub struct Job {
     tasks: Vec<Task>,
     history: Vec<Event>,
     cancelled: bool,
+    /// Conflicting signed messages of workers, kept as evidence.
+    #[serde(default)]
+    evidence: Vec<Equivocation>,
 }
+
+/// Two different bids one worker signed for one version of an offer: either alone is a
+/// valid quote, together they show the worker said two things. Anyone can check both
+/// signatures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Equivocation {
+    /// The worker.
+    pub worker: Address,
+    /// The bid held first.
+    pub first: Signed<Bid>,
+    /// The conflicting one.
+    pub second: Signed<Bid>,
+    /// When the second arrived.
+    pub at: Timestamp,
+}
+
+/// Most pieces of evidence kept per job (each worker is excluded after its first).
+const MAX_EVIDENCE: usize = 64;
 
 /// Most history lines kept per job.
 const MAX_HISTORY: usize = 1000;
@@ -382,6 +408,7 @@ impl Job {
                     TaskStatus::Waiting
                 },
                 bids: BTreeMap::new(),
+                signatures: BTreeMap::new(),
                 declines: BTreeMap::new(),
                 excluded: BTreeSet::new(),
                 ranks: Vec::new(),
@@ -405,6 +432,7 @@ impl Job {
             tasks,
             history: Vec::new(),
             cancelled: false,
+            evidence: Vec::new(),
         };
         job.log(now, None, "offer published; taking bids".into());
         job
@@ -499,6 +527,7 @@ impl Job {
         &mut self,
         bid: Bid,
         id: Digest,
+        signature: SignatureBytes,
         class: Class,
         now: Timestamp,
     ) -> Result<Vec<Action>, Refusal> {
@@ -526,6 +555,7 @@ impl Job {
             }
         }
         let (worker, price) = (bid.worker, bid.price);
+        task.signatures.insert(worker, signature);
         task.bids.insert(bid.worker, Candidate { bid, id, class });
         self.log(now, Some(index), format!("bid {price} from {worker}"));
         let mut actions = Vec::new();
@@ -565,12 +595,62 @@ impl Job {
         if task.status.is_final() {
             return Err(Refusal::TaskOver(bid.task));
         }
-        if let Some(held) = task.bids.get(&bid.worker)
-            && held.bid.issued_at >= bid.issued_at
-        {
-            return Err(Refusal::DuplicateBid);
+        if let Some(held) = task.bids.get(&bid.worker) {
+            if held.bid == *bid {
+                return Err(Refusal::DuplicateBid);
+            }
+            if held.bid.offer == bid.offer {
+                return Err(Refusal::Equivocation);
+            }
+            if held.bid.issued_at >= bid.issued_at {
+                return Err(Refusal::DuplicateBid);
+            }
         }
         Ok(())
+    }
+
+    /// A bid that [`Job::admit_bid`] found conflicting with the one held, its signature
+    /// checked: both are kept as evidence, the held bid is dropped and the worker is not
+    /// placed on the task.
+    pub fn equivocated(&mut self, second: Signed<Bid>, bid: &Bid, now: Timestamp) {
+        let i = bid.task as usize;
+        let Some(task) = self.tasks.get_mut(i) else {
+            return;
+        };
+        let (Some(held), Some(sig)) = (
+            task.bids.remove(&bid.worker),
+            task.signatures.remove(&bid.worker),
+        ) else {
+            return;
+        };
+        task.excluded.insert(bid.worker);
+        let first = Signed::from_parts(
+            cannabis_protocol::encode(&held.bid),
+            PublicKeyBytes(*bid.worker.public_key()),
+            sig,
+        );
+        if self.evidence.len() < MAX_EVIDENCE {
+            self.evidence.push(Equivocation {
+                worker: bid.worker,
+                first,
+                second,
+                at: now,
+            });
+        }
+        self.log(
+            now,
+            Some(bid.task),
+            format!(
+                "{} signed two different bids ({} and {}) for one version of the offer: \
+                 kept as evidence, not placed",
+                bid.worker, held.bid.price, bid.price
+            ),
+        );
+    }
+
+    /// Conflicting signed messages of workers, kept as evidence.
+    pub fn evidence(&self) -> &[Equivocation] {
+        &self.evidence
     }
 
     /// Whether task `i`, still bidding, can be placed before its window ends.

@@ -54,6 +54,10 @@ pub enum Refusal {
     /// An equal or newer bid of the worker is held.
     #[error("an equal or newer bid from this worker is held")]
     DuplicateBid,
+    /// The worker signed two different bids for one version of the offer: both are kept
+    /// as evidence, and the worker is not placed on the task.
+    #[error("two different signed bids for one version of the offer: kept as evidence")]
+    Equivocation,
     /// The task holds as many bids as it keeps, all cheaper.
     #[error("task {task} keeps {kept} bids, all at or below this one")]
     Outbid {
@@ -157,7 +161,10 @@ impl Refusal {
     pub fn penalized(&self) -> bool {
         matches!(
             self,
-            Refusal::NotFromSigner { .. } | Refusal::BadSignature(_) | Refusal::NotDrawn
+            Refusal::NotFromSigner { .. }
+                | Refusal::BadSignature(_)
+                | Refusal::NotDrawn
+                | Refusal::Equivocation
         )
     }
 }

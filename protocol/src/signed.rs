@@ -152,6 +152,11 @@ impl<T: Message> Signed<T> {
         Address::from_public_key(self.signer.0)
     }
 
+    /// The signature, as it arrived.
+    pub fn signature(&self) -> &SignatureBytes {
+        &self.signature
+    }
+
     /// The signed payload bytes (canonical `[version, body]`).
     pub fn payload(&self) -> &[u8] {
         &self.payload

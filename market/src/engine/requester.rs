@@ -180,7 +180,19 @@ impl Market {
                 None => Refusal::UnknownJob(bid.job_id),
             });
         };
-        job.admit_bid(bid, now)?;
+        match job.admit_bid(bid, now) {
+            Err(Refusal::Equivocation) => {
+                // Evidence only once the signature holds: anyone can forge an unsigned lie.
+                self.check_signature(&r)?;
+                let job = bid.job_id;
+                if let Some(j) = self.jobs.get_mut(&job) {
+                    j.equivocated(r.signed.clone(), &r.body, now);
+                    self.out.dirty(RecordKey::Job(job));
+                }
+                return Err(Refusal::Equivocation);
+            }
+            other => other?,
+        }
         let call = job.offer().calls[bid.task as usize];
         if !draw::drawn(&call, &bid.job_id, bid.task, &bid.worker, bid.price) {
             return Err(Refusal::NotDrawn);
@@ -198,7 +210,7 @@ impl Market {
             .jobs
             .get_mut(&job_id)
             .ok_or(Refusal::UnknownJob(job_id))?
-            .on_bid(r.body, r.id, class, now)?;
+            .on_bid(r.body, r.id, r.signed.signature().clone(), class, now)?;
         self.event(MarketEvent::BidTaken {
             job: job_id,
             task,

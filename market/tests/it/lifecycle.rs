@@ -812,3 +812,75 @@ proptest! {
         run(steps, 3)?;
     }
 }
+
+#[test]
+fn a_worker_that_signs_two_bids_for_one_offer_is_caught_and_not_placed() {
+    let mut w = world(3, vec![testkit::task("t", 1, 0, 0, 1, 100_000)]);
+    let cheapest = w.net.nodes[1].address();
+    let held = w.job().tasks()[0]
+        .bids()
+        .find(|c| c.bid.worker == cheapest)
+        .expect("worker 1 bid")
+        .bid
+        .clone();
+    // The same worker quotes the same version of the offer again, cheaper.
+    let mut second = held.clone();
+    second.price = Amount(held.price.0 - 1);
+    second.issued_at = T0.plus_ms(1);
+    let keys = testkit::keys(1);
+    let requester = w.net.nodes[0].address();
+    w.net.queue.push(Envelope::Request {
+        from: cheapest,
+        to: requester,
+        req: OutboundId(9_999),
+        msg: Box::new(Inbound::Bid(Signed::sign(&keys, &second).open().unwrap())),
+    });
+    w.net.settle(T0.plus_ms(1));
+    let node = &w.net.nodes[0];
+    assert_eq!(node.refusals.last(), Some(&Refusal::Equivocation));
+    assert!(
+        node.penalized
+            .iter()
+            .any(|(who, why)| *who == cheapest && *why == Refusal::Equivocation)
+    );
+    // Both signed bids are kept, and anyone can check them.
+    let evidence = w.job().evidence();
+    assert_eq!(evidence.len(), 1);
+    let e = &evidence[0];
+    assert_eq!(e.worker, cheapest);
+    assert_eq!(e.first.verify_from(&cheapest).unwrap().body, held);
+    assert_eq!(e.second.verify_from(&cheapest).unwrap().body, second);
+    // A conflicting bid in worker 2's name with a bad signature is no evidence: worker 2
+    // keeps its bid.
+    let next = w.net.nodes[2].address();
+    let mut forged = w.job().tasks()[0]
+        .bids()
+        .find(|c| c.bid.worker == next)
+        .unwrap()
+        .bid
+        .clone();
+    forged.price = Amount(1);
+    let (payload, signer, mut sig) = Signed::sign(&testkit::keys(2), &forged).into_parts();
+    sig.0[0] ^= 1;
+    w.net.queue.push(Envelope::Request {
+        from: next,
+        to: requester,
+        req: OutboundId(9_998),
+        msg: Box::new(Inbound::Bid(
+            Signed::<Bid>::from_parts(payload, signer, sig)
+                .open()
+                .unwrap(),
+        )),
+    });
+    w.net.settle(T0.plus_ms(2));
+    assert!(matches!(
+        w.net.nodes[0].refusals.last(),
+        Some(Refusal::BadSignature(_))
+    ));
+    assert_eq!(w.job().evidence().len(), 1);
+    // The equivocating worker is not placed: the next cheapest is.
+    let now = T0.plus_ms(WINDOW);
+    w.net.tick(now);
+    let award = w.awards()[0].clone();
+    assert_eq!(award.worker, next);
+}
