@@ -210,7 +210,7 @@ impl Market {
             .jobs
             .get_mut(&job_id)
             .ok_or(Refusal::UnknownJob(job_id))?
-            .on_bid(r.body, r.id, r.signed.signature().clone(), class, now)?;
+            .on_bid(r.body, r.id, *r.signed.signature(), class, now)?;
         self.event(MarketEvent::BidTaken {
             job: job_id,
             task,
