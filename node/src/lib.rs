@@ -3,6 +3,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod api;
+pub mod clock;
 pub mod config;
 pub mod exec;
 pub mod keystore;

@@ -18,7 +18,7 @@ pub use handle::NodeHandle;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use cannabis_api as api;
@@ -57,10 +57,7 @@ const BATCH: usize = 64;
 
 /// Now, as the protocol's millisecond timestamp and in microseconds.
 pub(crate) fn now() -> (Timestamp, u64) {
-    let us = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or(0);
+    let us = crate::clock::now_us();
     (Timestamp(us / 1000), us)
 }
 
@@ -232,7 +229,7 @@ pub(crate) struct Node {
 }
 
 /// How often the node does its upkeep.
-const UPKEEP: Duration = Duration::from_secs(10);
+const UPKEEP: Duration = crate::clock::SLEW_EVERY;
 
 /// Decays every score by `APP_DECAY` a second over `over`, dropping those within 1 of 0;
 /// returns the new scores to tell gossipsub.
@@ -472,6 +469,10 @@ impl Node {
                     self.publish_ad_now();
                 }
                 _ = upkeep.tick() => {
+                    let off = crate::clock::follow_wall();
+                    if off.abs() > crate::clock::MAX_SLEW_MS {
+                        warn!(off_ms = off, "the wall clock stepped: the node's time follows it slowly");
+                    }
                     self.decay_penalties(UPKEEP);
                     self.drop_graylisted();
                     self.catch_up();
