@@ -40,6 +40,8 @@ mod bytes;
 pub mod challenge;
 mod codec;
 pub mod draw;
+#[doc(hidden)]
+pub mod fuzzing;
 mod identity;
 pub mod merkle;
 mod messages;

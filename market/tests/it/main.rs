@@ -1,6 +1,7 @@
 //! The market's integration tests, one binary: the engines of requester and workers
 //! together (`lifecycle`), and the engine's own rules: bounded fan-in, early placement,
-//! the fence, widening (`engine`).
+//! the fence, widening (`engine`); the fuzz target's kept job files (`fuzz_inputs`).
 
 mod engine;
+mod fuzz_inputs;
 mod lifecycle;

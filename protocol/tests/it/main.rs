@@ -3,5 +3,6 @@
 
 mod bad_input;
 mod docs;
+mod fuzz_inputs;
 mod known_answers;
 mod properties;
