@@ -534,7 +534,9 @@ impl Node {
 
     fn on_event(&mut self, e: MarketEvent) {
         match e {
-            MarketEvent::BidSent { job, task, price } => info!(%job, task, %price, "bid sent"),
+            MarketEvent::BidSent { job, task, price } => {
+                info!(%job, task, %price, "bid made, sending it to the requester");
+            }
             MarketEvent::Declined { job, task, reason } => info!(%job, task, %reason, "declined"),
             MarketEvent::BidTaken {
                 job,
@@ -568,6 +570,7 @@ impl Node {
                 info!(peer = %from, reason = %why, "{what} refused");
             }
             MarketEvent::Answered { what, to, result } => match result {
+                Ok(cannabis_market::Answer::Ack) if what == "bid" => info!(%to, "bid delivered"),
                 Ok(cannabis_market::Answer::Ack) => debug!(%to, "{what} taken"),
                 Ok(cannabis_market::Answer::Refused(reason)) => {
                     info!(%to, %reason, "{what} refused by the peer");

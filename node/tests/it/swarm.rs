@@ -572,3 +572,61 @@ async fn a_node_catches_up_on_what_its_first_peers_did_not_have() {
     }
     holder.stop().await;
 }
+
+/// What a node tells a peer about itself over identify, read off the wire, against
+/// docs/protocol.md: the protocol version, the agent, and every protocol it lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identify_says_what_the_spec_says() {
+    use futures::StreamExt as _;
+    use libp2p::swarm::SwarmEvent;
+    use libp2p::{identify, noise, tcp, yamux};
+
+    let dir = tempfile::tempdir().unwrap();
+    let node = net::start(&dir.path().join("n"), None).await;
+    let mut probe = libp2p::SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default(),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .unwrap()
+        .with_behaviour(|key| {
+            identify::Behaviour::new(identify::Config::new("probe/1".into(), key.public()))
+        })
+        .unwrap()
+        .build();
+    probe.dial(node.addr.clone()).unwrap();
+    let info = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let SwarmEvent::Behaviour(identify::Event::Received { info, .. }) =
+                probe.select_next_some().await
+            {
+                return info;
+            }
+        }
+    })
+    .await
+    .expect("the node identified itself");
+    let spec = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/protocol.md"),
+    )
+    .unwrap();
+    assert_eq!(info.protocol_version, "/cannabis/id/1.0.0");
+    assert!(
+        info.agent_version.starts_with("cannabis/"),
+        "{}",
+        info.agent_version
+    );
+    assert!(spec.contains("`protocolVersion` field is `/cannabis/id/1.0.0`"));
+    let listed: Vec<String> = info.protocols.iter().map(ToString::to_string).collect();
+    assert!(listed.iter().any(|p| p == "/ipfs/id/1.0.0"), "{listed:?}");
+    for p in &listed {
+        assert!(
+            spec.contains(&format!("`{p}`")),
+            "the node speaks {p}, which docs/protocol.md does not name"
+        );
+    }
+    drop(probe);
+    node.stop().await;
+}

@@ -132,3 +132,59 @@ fn protocol_doc_names_every_field_and_variant() {
         );
     }
 }
+
+/// The examples of the spec's conventions, encoded by the code: the bytes they name are the
+/// bytes the code writes.
+#[test]
+fn the_specs_examples_are_what_the_code_encodes() {
+    let spec = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/protocol.md"),
+    )
+    .unwrap();
+    let text = |v: &Value| match v {
+        Value::Text(t) => t.clone(),
+        other => panic!("not text: {other:?}"),
+    };
+    // A Uuid is its 36-character text, a CBOR text string.
+    let uuid: Uuid = "550e8400-e29b-41d4-a716-446655440000".parse().unwrap();
+    let bytes = to_canonical(&uuid);
+    assert_eq!(&bytes[..2], &[0x78, 36], "a 36-byte text string");
+    assert!(spec.contains("`550e8400-e29b-41d4-a716-446655440000`"));
+    // Unit variants are kebab-case text.
+    for (value, name) in [
+        (to_canonical(&AdapterKind::Synthetic), "synthetic"),
+        (to_canonical(&IsolationLayer::UserNamespace), "user-namespace"),
+    ] {
+        let v: Value = cbor4ii::serde::from_slice(&value).unwrap();
+        assert_eq!(text(&v), name);
+        assert!(spec.contains(&format!("`\"{name}\"`")), "{name}");
+    }
+    // Variants with data are one-entry maps.
+    let outcome = Outcome::PartiallyAccepted {
+        accepted_ppm: 500_000,
+    };
+    let v: Value = cbor4ii::serde::from_slice(&to_canonical(&outcome)).unwrap();
+    let Value::Map(entries) = v else {
+        panic!("{v:?}")
+    };
+    assert_eq!(entries.len(), 1);
+    assert_eq!(text(&entries[0].0), "partially-accepted");
+    assert_eq!(
+        entries[0].1,
+        Value::Map(vec![(
+            Value::Text("accepted_ppm".into()),
+            Value::Integer(500_000)
+        )])
+    );
+    let flat: String = spec.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(flat.contains(r#"`{"partially-accepted": {"accepted_ppm": 500000}}`"#));
+    // `None` is null, and the field is present.
+    assert_eq!(to_canonical(&Option::<u32>::None), [0xf6]);
+    // Values that travel alone are `[version, value]`.
+    let ping = encode(&MarketRequest::Ping { nonce: 7 });
+    let v: Value = cbor4ii::serde::from_slice(&ping).unwrap();
+    let Value::Array(items) = v else {
+        panic!("{v:?}")
+    };
+    assert_eq!(items[0], Value::Integer(1));
+}
