@@ -153,7 +153,10 @@ fn the_specs_examples_are_what_the_code_encodes() {
     // Unit variants are kebab-case text.
     for (value, name) in [
         (to_canonical(&AdapterKind::Synthetic), "synthetic"),
-        (to_canonical(&IsolationLayer::UserNamespace), "user-namespace"),
+        (
+            to_canonical(&IsolationLayer::UserNamespace),
+            "user-namespace",
+        ),
     ] {
         let v: Value = cbor4ii::serde::from_slice(&value).unwrap();
         assert_eq!(text(&v), name);
