@@ -747,6 +747,15 @@ impl Inner {
                 ));
             }
         }
+        if kind == AdapterKind::Process && !self.as_root {
+            // Without root the sandbox runs as the node's own user, who owns node.key and
+            // api.token: a program could read them through any gap in the other layers.
+            return Err(
+                "custom code runs only where the executor is root (a sandbox user of its own); \
+                 as the node's user a program could reach the node's keys"
+                    .into(),
+            );
+        }
         for layer in &task.requirements.isolation {
             if !self.layers.contains(layer) {
                 return Err(format!(
@@ -1160,6 +1169,50 @@ pub(crate) mod tests {
         t.workload.entrypoint = vec!["sh".into()];
         let why = few.admit(&st, &req(t)).unwrap_err();
         assert!(why.contains("process adapter needs"), "{why}");
+    }
+
+    #[test]
+    fn custom_code_needs_every_limit_and_a_user_of_its_own() {
+        let mut t = task(AdapterKind::Process);
+        t.workload.entrypoint = vec!["sh".into()];
+        let namespaces = vec![
+            IsolationLayer::UserNamespace,
+            IsolationLayer::MountNamespace,
+            IsolationLayer::PidNamespace,
+            IsolationLayer::NetworkNamespace,
+            IsolationLayer::IpcUtsNamespace,
+            IsolationLayer::NoPrivileges,
+            IsolationLayer::Seccomp,
+            IsolationLayer::BoundedWorkdir,
+        ];
+        // Every namespace, but no cgroup controllers (a host that did not delegate them):
+        // a program could fork-bomb the machine or take its memory.
+        let mut ex = inner(namespaces.clone());
+        ex.as_root = true;
+        let why = ex.admit(&ex.lock(), &req(t.clone())).unwrap_err();
+        assert!(why.contains("process adapter needs"), "{why}");
+        // Every layer, as root: taken.
+        let all = [
+            namespaces,
+            vec![
+                IsolationLayer::CgroupMemory,
+                IsolationLayer::CgroupPids,
+                IsolationLayer::CgroupCpu,
+            ],
+        ]
+        .concat();
+        let mut ex = inner(all);
+        ex.as_root = true;
+        assert!(ex.admit(&ex.lock(), &req(t.clone())).is_ok());
+        // Every layer, but not root: the sandbox would be the node's own user.
+        ex.as_root = false;
+        let why = ex.admit(&ex.lock(), &req(t)).unwrap_err();
+        assert!(why.contains("node's keys"), "{why}");
+        // The synthetic task (this binary's own code) still runs without root.
+        assert!(
+            ex.admit(&ex.lock(), &req(task(AdapterKind::Synthetic)))
+                .is_ok()
+        );
     }
 
     #[test]

@@ -67,7 +67,10 @@ pub(crate) fn base_env() -> Vec<(String, String)> {
 /// the bundle directory; outputs are written to `$CANNABIS_WORK/<name>`.
 struct Process;
 
-const ALL_NAMESPACES: &[IsolationLayer] = &[
+/// What a requester's own program runs only inside: every namespace, seccomp, a bounded
+/// work directory, and the memory, process-count and CPU limits of its cgroup (without
+/// them one program could fork-bomb the machine or exhaust its memory).
+const PROCESS_LAYERS: &[IsolationLayer] = &[
     IsolationLayer::UserNamespace,
     IsolationLayer::MountNamespace,
     IsolationLayer::PidNamespace,
@@ -76,11 +79,14 @@ const ALL_NAMESPACES: &[IsolationLayer] = &[
     IsolationLayer::NoPrivileges,
     IsolationLayer::Seccomp,
     IsolationLayer::BoundedWorkdir,
+    IsolationLayer::CgroupMemory,
+    IsolationLayer::CgroupPids,
+    IsolationLayer::CgroupCpu,
 ];
 
 impl Adapter for Process {
     fn isolation(&self) -> &'static [IsolationLayer] {
-        ALL_NAMESPACES
+        PROCESS_LAYERS
     }
 
     fn check(&self, request: &AttemptRequest) -> Result<(), String> {
