@@ -226,6 +226,8 @@ pub(crate) struct Node {
     answered: challenge::Answered,
     /// Blocks taken lately.
     blocks: gossip::Blocks,
+    /// Why the node is in read-only safe mode (a write to its store failed), if it is.
+    safe_mode: Option<String>,
 }
 
 /// How often the node does its upkeep.
@@ -332,6 +334,7 @@ pub async fn start(
         proving: None,
         answered: challenge::Answered::default(),
         blocks: gossip::Blocks::default(),
+        safe_mode: None,
     };
     node.drain();
     node.bootstrap();
@@ -457,7 +460,11 @@ impl Node {
                         }
                     }
                 }
-                () = sleep_until(wake) => self.market.handle(now().0, Input::Tick),
+                () = sleep_until(wake) => {
+                    if self.safe_mode.is_none() {
+                        self.market.handle(now().0, Input::Tick);
+                    }
+                }
                 command = commands.recv() => match command {
                     Some(c) => self.on_command(c),
                     None => break,
@@ -473,6 +480,7 @@ impl Node {
                     if off.abs() > crate::clock::MAX_SLEW_MS {
                         warn!(off_ms = off, "the wall clock stepped: the node's time follows it slowly");
                     }
+                    self.try_recover();
                     self.decay_penalties(UPKEEP);
                     self.drop_graylisted();
                     self.catch_up();
@@ -491,13 +499,18 @@ impl Node {
 
     /// Carries out what the engine asks, in order, until it has nothing more (or waits).
     pub(super) fn drain(&mut self) {
-        while let Some(output) = self.market.poll_output() {
+        // In safe mode the engine's state is not the store's: nothing it says goes out.
+        while self.safe_mode.is_none()
+            && let Some(output) = self.market.poll_output()
+        {
             match output {
-                Output::Persist { batch, ops } => match self.store.apply(&ops) {
+                Output::Persist { batch, ops } => match self.store.apply(&ops, &self.address) {
                     Ok(()) => self.market.persisted(batch),
                     Err(e) => {
-                        error!(error = %format!("{e:#}"), "the store refused a write; the market restarts from what it holds");
-                        self.restore_market();
+                        // Nothing that depended on the batch was sent (the fence), and
+                        // nothing more is taken until a write goes through again.
+                        self.enter_safe_mode(format!("{e:#}"));
+                        return;
                     }
                 },
                 Output::Validate { origin, verdict } => self.on_verdict(origin, verdict),
@@ -513,6 +526,41 @@ impl Node {
                 }
                 Output::Event(e) => self.on_event(e),
             }
+        }
+    }
+
+    /// A write to the store failed (a full disk, an I/O error): the node goes read-only. It
+    /// takes no gossip, answers no market request, accepts no job and ticks no lease until
+    /// a write goes through again (`try_recover`, every upkeep); status and logs say why.
+    fn enter_safe_mode(&mut self, why: String) {
+        error!(error = %why, "the store refused a write: read-only safe mode until it takes writes again");
+        self.safe_mode = Some(why);
+    }
+
+    /// Leaves safe mode once the store takes a durable write again: the market restarts
+    /// from what the store holds, which is the truth (what was not written is forgotten).
+    fn try_recover(&mut self) {
+        if self.safe_mode.is_none() {
+            return;
+        }
+        match self.store.reopen().and_then(|()| self.store.probe_write()) {
+            Ok(()) => {
+                info!("the store takes writes again: safe mode over");
+                self.safe_mode = None;
+                self.restore_market();
+            }
+            Err(e) => debug!(error = %format!("{e:#}"), "the store still refuses writes"),
+        }
+    }
+
+    /// The refusal while in safe mode.
+    pub(super) fn refuse_if_safe(&self) -> anyhow::Result<()> {
+        match &self.safe_mode {
+            Some(why) => Err(anyhow::anyhow!(
+                "the node is in read-only safe mode: its store refused a write ({why}); it \
+                 resumes by itself once writes go through (free some disk space)"
+            )),
+            None => Ok(()),
         }
     }
 
@@ -651,11 +699,13 @@ impl Node {
                 let _ = reply.send(self.job_detail(&id));
             }
             Command::CancelJob(id, reply) => {
-                let done = self
-                    .market
-                    .command(now_ms, MarketCommand::Cancel(id))
-                    .map_err(anyhow::Error::from);
+                let done = self.refuse_if_safe().and_then(|()| {
+                    self.market
+                        .command(now_ms, MarketCommand::Cancel(id))
+                        .map_err(anyhow::Error::from)
+                });
                 self.drain();
+                let done = done.and_then(|ok| self.refuse_if_safe().map(|()| ok));
                 let summary = done.and_then(|_| {
                     self.market
                         .job(&id)
@@ -721,11 +771,14 @@ impl Node {
     }
 
     fn submit_job(&mut self, template: OfferTemplate) -> anyhow::Result<api::JobSummary> {
+        self.refuse_if_safe()?;
         let nonce = *crate::keystore::random_bytes::<16>()?;
         let done = self
             .market
             .command(now().0, MarketCommand::Submit { template, nonce });
         self.drain();
+        // Not saved, not acknowledged.
+        self.refuse_if_safe()?;
         let cannabis_market::CommandOk::Submitted { job, .. } = done? else {
             anyhow::bail!("the market did not create a job");
         };
@@ -736,11 +789,13 @@ impl Node {
     }
 
     fn publish_offer(&mut self, template: OfferTemplate) -> anyhow::Result<api::Published> {
+        self.refuse_if_safe()?;
         let nonce = *crate::keystore::random_bytes::<16>()?;
         let done = self
             .market
             .command(now().0, MarketCommand::PublishOffer { template, nonce });
         self.drain();
+        self.refuse_if_safe()?;
         let cannabis_market::CommandOk::Submitted { job, offer } = done? else {
             anyhow::bail!("the market did not publish the offer");
         };
@@ -786,6 +841,7 @@ impl Node {
             offers: self.market.view().offer_count(),
             uptime_secs: self.started.elapsed().as_secs(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            safe_mode: self.safe_mode.clone(),
         }
     }
 

@@ -11,7 +11,8 @@
 //! counters (so a restart never reuses a sequence number); each batch the engine asks for
 //! is one transaction. Beside them: the executor's attempt journal.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{RwLock, RwLockReadGuard};
 
 use anyhow::Context as _;
 use cannabis_market::lease::AssignmentKey;
@@ -105,23 +106,63 @@ pub enum Records {
 
 /// The node's store.
 pub struct Store {
-    db: Database,
+    path: PathBuf,
+    /// `None` only while it is reopened.
+    db: RwLock<Option<Database>>,
+}
+
+/// The open database, for one operation.
+struct Db<'a>(RwLockReadGuard<'a, Option<Database>>);
+
+impl std::ops::Deref for Db<'_> {
+    type Target = Database;
+    fn deref(&self) -> &Database {
+        self.0.as_ref().expect("checked when the guard was made")
+    }
+}
+
+fn create(path: &Path) -> anyhow::Result<Database> {
+    let db = Database::create(path)
+        .with_context(|| format!("opening the store at {}", path.display()))?;
+    let txn = db.begin_write()?;
+    txn.open_table(COUNTERS)?;
+    for t in TABLES {
+        txn.open_table(t)?;
+    }
+    // Bids received for offers were kept here once; they now live in their jobs.
+    let _ = txn.delete_table(TableDefinition::<&[u8], &[u8]>::new("bids"));
+    txn.commit()?;
+    Ok(db)
 }
 
 impl Store {
     /// Opens (or creates) the store at `path`.
     pub fn open(path: &Path) -> anyhow::Result<Self> {
-        let db = Database::create(path)
-            .with_context(|| format!("opening the store at {}", path.display()))?;
-        let txn = db.begin_write()?;
-        txn.open_table(COUNTERS)?;
-        for t in TABLES {
-            txn.open_table(t)?;
-        }
-        // Bids received for offers were kept here once; they now live in their jobs.
-        let _ = txn.delete_table(TableDefinition::<&[u8], &[u8]>::new("bids"));
-        txn.commit()?;
-        Ok(Self { db })
+        Ok(Self {
+            db: RwLock::new(Some(create(path)?)),
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn db(&self) -> anyhow::Result<Db<'_>> {
+        let guard = self.db.read().unwrap_or_else(|p| p.into_inner());
+        anyhow::ensure!(guard.is_some(), "the store is being reopened");
+        Ok(Db(guard))
+    }
+
+    /// Closes and opens the store again: after a failed write redb refuses everything
+    /// until it is reopened. Fails while the disk still refuses.
+    pub fn reopen(&self) -> anyhow::Result<()> {
+        let mut guard = self.db.write().unwrap_or_else(|p| p.into_inner());
+        drop(guard.take());
+        *guard = Some(create(&self.path)?);
+        Ok(())
+    }
+
+    /// Whether a durable write goes through now: a counter of its own, written and
+    /// synced.
+    pub fn probe_write(&self) -> anyhow::Result<()> {
+        self.next_seq("store-probe", 0).map(|_| ())
     }
 
     /// Writes a batch of the market's records in one transaction: durable when this
@@ -129,15 +170,17 @@ impl Store {
     /// written without a sync: losing the newest few in a crash loses nothing that peers
     /// cannot give back (sync brings them again), and a sync per gossiped message would
     /// cost every node a disk flush per offer in the network. The next durable batch
-    /// makes them durable too.
-    pub fn apply(&self, ops: &[RecordOp]) -> anyhow::Result<()> {
-        let mut txn = self.db.begin_write()?;
-        let gossip_only = ops.iter().all(|op| {
-            matches!(
-                op,
-                RecordOp::Put(Record::Ad { .. } | Record::Offer { .. })
-                    | RecordOp::Delete(RecordKey::Ad(_) | RecordKey::Offer(_))
-            )
+    /// makes them durable too. The node's own ads and offers (signed by `me`) are others'
+    /// gossip but this node's word: a batch holding one is synced before it is
+    /// acknowledged.
+    pub fn apply(&self, ops: &[RecordOp], me: &cannabis_protocol::Address) -> anyhow::Result<()> {
+        let db = self.db()?;
+        let mut txn = db.begin_write()?;
+        let gossip_only = ops.iter().all(|op| match op {
+            RecordOp::Put(Record::Ad { node, .. }) => node != me,
+            RecordOp::Put(Record::Offer { signed, .. }) => signed.signer().ok() != Some(*me),
+            RecordOp::Delete(RecordKey::Ad(_) | RecordKey::Offer(_)) => true,
+            _ => false,
         });
         if gossip_only {
             txn.set_durability(redb::Durability::None)
@@ -176,7 +219,8 @@ impl Store {
     /// left where they are.
     pub fn load_records(&self) -> anyhow::Result<Vec<Record>> {
         use cannabis_protocol::{Address, Digest, Signed};
-        let txn = self.db.begin_read()?;
+        let db = self.db()?;
+        let txn = db.begin_read()?;
         let mut out = Vec::new();
         let mut skipped = 0usize;
         let mut rows = |table: Table, f: &mut Decoder<'_>| {
@@ -248,7 +292,8 @@ impl Store {
 
     /// Keeps a record under `key`, replacing the previous one; durable when this returns.
     pub fn put_record(&self, records: Records, key: &[u8], value: &[u8]) -> anyhow::Result<()> {
-        let txn = self.db.begin_write()?;
+        let db = self.db()?;
+        let txn = db.begin_write()?;
         txn.open_table(records.table())?.insert(key, value)?;
         txn.commit()?;
         Ok(())
@@ -256,7 +301,8 @@ impl Store {
 
     /// Every record kept, as `(key, value)`.
     pub fn records(&self, records: Records) -> anyhow::Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let txn = self.db.begin_read()?;
+        let db = self.db()?;
+        let txn = db.begin_read()?;
         let table = txn.open_table(records.table())?;
         table
             .iter()?
@@ -270,7 +316,8 @@ impl Store {
     /// The next value of counter `name`: above every value it returned before (durably),
     /// and at least `floor`.
     pub fn next_seq(&self, name: &str, floor: u64) -> anyhow::Result<u64> {
-        let txn = self.db.begin_write()?;
+        let db = self.db()?;
+        let txn = db.begin_write()?;
         let next = {
             let mut table = txn.open_table(COUNTERS)?;
             let last = table.get(name)?.map(|v| v.value()).unwrap_or(0);
@@ -330,13 +377,16 @@ mod tests {
         };
         {
             let s = Store::open(&path).unwrap();
-            s.apply(&[
-                RecordOp::Put(Record::Counter("offer".into(), 7)),
-                RecordOp::Put(Record::Pass {
-                    verifier: k.address(),
-                    signed: Signed::sign(&k, &pass),
-                }),
-            ])
+            s.apply(
+                &[
+                    RecordOp::Put(Record::Counter("offer".into(), 7)),
+                    RecordOp::Put(Record::Pass {
+                        verifier: k.address(),
+                        signed: Signed::sign(&k, &pass),
+                    }),
+                ],
+                &k.address(),
+            )
             .unwrap();
             assert_eq!(s.next_seq("ad", 0).unwrap(), 1);
             assert_eq!(s.next_seq("ad", 0).unwrap(), 2);
@@ -351,10 +401,13 @@ mod tests {
         );
         assert_eq!(s.next_seq("ad", 0).unwrap(), 3);
         assert_eq!(s.next_seq("ad", 100).unwrap(), 100);
-        s.apply(&[
-            RecordOp::Delete(RecordKey::Pass(k.address())),
-            RecordOp::Delete(RecordKey::Counter("offer".into())),
-        ])
+        s.apply(
+            &[
+                RecordOp::Delete(RecordKey::Pass(k.address())),
+                RecordOp::Delete(RecordKey::Counter("offer".into())),
+            ],
+            &k.address(),
+        )
         .unwrap();
         assert!(s.load_records().unwrap().is_empty());
     }

@@ -28,6 +28,10 @@ pub struct Status {
     pub uptime_secs: u64,
     /// The binary's version.
     pub version: String,
+    /// Why the node is in read-only safe mode (its store refused a write), if it is: it
+    /// takes no gossip, market request or job until writes go through again.
+    #[serde(default)]
+    pub safe_mode: Option<String>,
 }
 
 /// Mesh size of one topic.

@@ -232,7 +232,7 @@ pub(crate) fn run(dir: &Path) -> anyhow::Result<Costs> {
     let mut persist = Vec::new();
     for _ in 0..100 {
         let t0 = Instant::now();
-        store.apply(&[RecordOp::Put(record.clone())])?;
+        store.apply(&[RecordOp::Put(record.clone())], &requester.address())?;
         persist.push(micros(t0.elapsed()));
     }
 

@@ -41,6 +41,13 @@ pub(super) fn run(
                 ("open offers", s.offers.to_string()),
                 ("uptime", format!("{} s", s.uptime_secs)),
                 ("version", s.version.clone()),
+                (
+                    "safe mode",
+                    s.safe_mode.as_ref().map_or_else(
+                        || "no".to_string(),
+                        |why| format!("READ-ONLY: the store refused a write ({why})"),
+                    ),
+                ),
             ])?;
             Ok(())
         }

@@ -143,6 +143,17 @@ impl Node {
             );
             return;
         }
+        if let Err(e) = self.refuse_if_safe()
+            && !matches!(request, MarketRequest::Ping { .. })
+        {
+            self.answer(
+                channel,
+                MarketResponse::Refused {
+                    reason: format!("{e:#}"),
+                },
+            );
+            return;
+        }
         let Some(from) = swarm::address_of(&peer) else {
             self.answer(
                 channel,
@@ -359,6 +370,9 @@ impl Node {
     /// Feeds a sync page through the same checks as gossip; asks for the next page while
     /// the cursor moves and the run is within `MAX_SYNC_PAGES` and `MAX_SYNC_BYTES`.
     fn on_sync_page(&mut self, peer: PeerId, run: SyncRun, page: SyncResponse) {
+        if self.safe_mode.is_some() {
+            return;
+        }
         let bytes = run.bytes
             + page
                 .ads

@@ -43,6 +43,19 @@ impl Node {
             }
             return;
         };
+        if self.safe_mode.is_some() {
+            // Not kept, so not forwarded either.
+            let _ = self
+                .swarm
+                .behaviour_mut()
+                .gossipsub
+                .report_message_validation_result(
+                    &message_id,
+                    &propagation_source,
+                    MessageAcceptance::Ignore,
+                );
+            return;
+        }
         let (now_ms, now_us) = now();
         // The author gossipsub names; the market requires it to be the envelope's signer.
         let source = message.source.as_ref().and_then(swarm::address_of);

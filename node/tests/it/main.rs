@@ -1,6 +1,7 @@
 //! Tests of the node: the `cannabis` binary as a user runs it, and real swarms on loopback.
 
 mod cli;
+mod disk;
 mod exec;
 mod exec_restart;
 mod hostile;
