@@ -226,6 +226,8 @@ pub(crate) struct Node {
     answered: challenge::Answered,
     /// Blocks taken lately.
     blocks: gossip::Blocks,
+    /// Sync pages served per peer (the allowance).
+    served: directed::Served,
     /// Why the node is in read-only safe mode (a write to its store failed), if it is.
     safe_mode: Option<String>,
 }
@@ -334,6 +336,7 @@ pub async fn start(
         proving: None,
         answered: challenge::Answered::default(),
         blocks: gossip::Blocks::default(),
+        served: directed::Served::default(),
         safe_mode: None,
     };
     node.drain();
@@ -481,6 +484,7 @@ impl Node {
                         warn!(off_ms = off, "the wall clock stepped: the node's time follows it slowly");
                     }
                     self.try_recover();
+                    self.served.forget_full(std::time::Instant::now());
                     self.decay_penalties(UPKEEP);
                     self.drop_graylisted();
                     self.catch_up();

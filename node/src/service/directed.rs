@@ -2,6 +2,7 @@
 //! which gives a node that just connected the live market it missed. Requests are decoded
 //! here once and handed to the engine; what the engine sends is signed here.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cannabis_market::{
@@ -24,6 +25,48 @@ const SYNC_PAGE_BYTES: usize = SyncResponse::MAX_SIZE / 2;
 /// about 1.6 KB fits in 80 pages; past the bound, gossip and ads' refreshes bring the rest.
 const MAX_SYNC_PAGES: u32 = 128;
 const MAX_SYNC_BYTES: usize = 256 << 20;
+
+/// How many sync pages one peer is served: `SERVE_BURST` at once (a view of 100,000 ads
+/// and as many offers is about 160 pages), then `SERVE_PER_MINUTE`. Past it a peer gets
+/// an empty last page: a 512-byte request cannot make the node encode megabytes at will.
+const SERVE_BURST: f64 = 160.0;
+const SERVE_PER_MINUTE: f64 = 30.0;
+
+/// Sync pages served per peer: a token bucket each, forgotten once full again.
+#[derive(Default)]
+pub(crate) struct Served(HashMap<PeerId, (f64, std::time::Instant)>);
+
+impl Served {
+    fn level(&self, peer: &PeerId, now: std::time::Instant) -> f64 {
+        self.0.get(peer).map_or(SERVE_BURST, |(tokens, at)| {
+            let refill = now.duration_since(*at).as_secs_f64() * SERVE_PER_MINUTE / 60.0;
+            (tokens + refill).min(SERVE_BURST)
+        })
+    }
+
+    /// Takes one page for `peer`, if it has one left.
+    pub(crate) fn take(&mut self, peer: PeerId, now: std::time::Instant) -> bool {
+        let level = self.level(&peer, now);
+        if level < 1.0 {
+            return false;
+        }
+        self.0.insert(peer, (level - 1.0, now));
+        true
+    }
+
+    /// Forgets the peers whose bucket is full again.
+    pub(crate) fn forget_full(&mut self, now: std::time::Instant) {
+        let full: Vec<PeerId> = self
+            .0
+            .keys()
+            .filter(|p| self.level(p, now) >= SERVE_BURST)
+            .copied()
+            .collect();
+        for p in full {
+            self.0.remove(&p);
+        }
+    }
+}
 
 /// A sync run with one peer for one kind: the page asked for, and what came so far.
 pub(super) struct SyncRun {
@@ -287,8 +330,13 @@ impl Node {
                     },
                 ..
             } => {
-                // A graylisted peer gets an empty page: nothing to encode.
-                let page = if self.graylisted(&peer) {
+                // A graylisted peer, or one past its allowance, gets an empty last page:
+                // nothing to encode.
+                let allowed = self.served.take(peer, std::time::Instant::now());
+                if !allowed {
+                    debug!(%peer, "sync pages beyond the peer's allowance: an empty page");
+                }
+                let page = if !allowed || self.graylisted(&peer) {
                     SyncResponse {
                         ads: Vec::new(),
                         offers: Vec::new(),
@@ -482,5 +530,28 @@ impl Node {
                 tally.rejected += 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_is_served_its_burst_of_sync_pages_then_its_rate() {
+        let mut served = Served::default();
+        let (p, q) = (PeerId::random(), PeerId::random());
+        let t = std::time::Instant::now();
+        let taken = (0..1000).filter(|_| served.take(p, t)).count();
+        assert_eq!(taken, SERVE_BURST as usize);
+        // Another peer has its own allowance.
+        assert!(served.take(q, t));
+        // Two seconds later, one more page (30 a minute).
+        let later = t + std::time::Duration::from_secs(2);
+        assert!(served.take(p, later));
+        assert!(!served.take(p, later));
+        // Full again after long enough, and forgotten.
+        served.forget_full(t + std::time::Duration::from_secs(3600));
+        assert!(served.0.is_empty());
     }
 }

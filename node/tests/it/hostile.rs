@@ -732,3 +732,64 @@ async fn a_peer_that_keeps_sending_invalid_messages_stays_penalized() {
     drop(hostile);
     a.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_asking_for_sync_pages_without_end_is_served_its_allowance() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let a_addr = a.handle.address().to_string();
+    wait_for(Duration::from_secs(30), "A's own ad", || async {
+        let ads = a.handle.ads().await.ok()?;
+        ads.iter().any(|ad| ad.node == a_addr).then_some(())
+    })
+    .await;
+    let mut hostile = hostile_swarm();
+    hostile.dial(a.addr.clone()).unwrap();
+    let a_peer = a.handle.peer_id();
+    drive_for(&mut hostile, 500).await;
+    // 300 requests for the first page, in waves of 50, as fast as it can.
+    let (mut full, mut empty, mut failed) = (0, 0, 0);
+    for _ in 0..6 {
+        for _ in 0..50 {
+            hostile
+                .behaviour_mut()
+                .sync
+                .send_request(&a_peer, SyncRequest::Ads { after: None });
+        }
+        let mut answered = 0;
+        let _ = tokio::time::timeout(Duration::from_secs(20), async {
+            while answered < 50 {
+                match hostile.select_next_some().await {
+                    SwarmEvent::Behaviour(HostileEvent::Sync(
+                        request_response::Event::Message {
+                            message: request_response::Message::Response { response, .. },
+                            ..
+                        },
+                    )) => {
+                        answered += 1;
+                        if response.ads.is_empty() {
+                            empty += 1;
+                        } else {
+                            full += 1;
+                        }
+                    }
+                    SwarmEvent::Behaviour(HostileEvent::Sync(
+                        request_response::Event::OutboundFailure { .. },
+                    )) => {
+                        answered += 1;
+                        failed += 1;
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .await;
+    }
+    // The burst (160) and what the rate (30 a minute) adds in the seconds this takes.
+    assert!(
+        (160..=175).contains(&full),
+        "{full} pages encoded, {empty} empty"
+    );
+    drop(hostile);
+    a.stop().await;
+}
