@@ -276,20 +276,33 @@ impl Leases {
         Ok((accept, superseded))
     }
 
+    /// The lease a requester's message names: held here, granted by that requester to this
+    /// worker, at that epoch.
+    fn named(
+        &mut self,
+        key: &AssignmentKey,
+        requester: &Address,
+        worker: &Address,
+        epoch: u64,
+    ) -> Result<&mut Lease, Refusal> {
+        let lease = self.leases.get_mut(key).ok_or(Refusal::NoLease)?;
+        if *requester != lease.requester || *worker != self.me {
+            return Err(Refusal::NotTheLease);
+        }
+        if epoch != lease.epoch {
+            return Err(Refusal::StaleEpoch {
+                got: epoch,
+                current: lease.epoch,
+            });
+        }
+        Ok(lease)
+    }
+
     /// A renewal whose signature and sender the caller checked: extends the live lease of
     /// the same epoch.
     pub fn on_renewal(&mut self, renewal: &LeaseRenewal, now: Timestamp) -> Result<(), Refusal> {
         let key = (renewal.job_id, renewal.task, renewal.rank);
-        let lease = self.leases.get_mut(&key).ok_or(Refusal::NoLease)?;
-        if renewal.requester != lease.requester || renewal.worker != self.me {
-            return Err(Refusal::NotTheLease);
-        }
-        if renewal.epoch != lease.epoch {
-            return Err(Refusal::StaleEpoch {
-                got: renewal.epoch,
-                current: lease.epoch,
-            });
-        }
+        let lease = self.named(&key, &renewal.requester, &renewal.worker, renewal.epoch)?;
         if !lease.is_live() || lease.expires_at <= now {
             return Err(Refusal::LeaseEnded);
         }
@@ -302,16 +315,7 @@ impl Leases {
     /// another requester is refused and changes nothing.
     pub fn on_cancel(&mut self, cancel: &Cancel, now: Timestamp) -> Result<Stopped, Refusal> {
         let key = (cancel.job_id, cancel.task, cancel.rank);
-        let lease = self.leases.get_mut(&key).ok_or(Refusal::NoLease)?;
-        if cancel.requester != lease.requester || cancel.worker != self.me {
-            return Err(Refusal::NotTheLease);
-        }
-        if cancel.epoch != lease.epoch {
-            return Err(Refusal::StaleEpoch {
-                got: cancel.epoch,
-                current: lease.epoch,
-            });
-        }
+        let lease = self.named(&key, &cancel.requester, &cancel.worker, cancel.epoch)?;
         if !lease.is_live() {
             return Err(Refusal::LeaseEnded);
         }

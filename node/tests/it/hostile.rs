@@ -141,6 +141,25 @@ fn hostile_swarm_with(secret: [u8; 32]) -> libp2p::Swarm<Hostile> {
         .build()
 }
 
+/// Publishes an honest offer from `from` and waits until `to` holds it.
+async fn an_honest_offer_reaches(from: &net::TestNode, to: &net::TestNode) {
+    let offer = from.handle.publish_offer(net::offer(60_000)).await.unwrap();
+    wait_for(
+        Duration::from_secs(10),
+        "the honest offer to arrive",
+        || async {
+            to.handle
+                .offers()
+                .await
+                .ok()?
+                .iter()
+                .any(|o| o.job_id == offer.job_id)
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 /// A capability ad with arbitrary content, re-dated and signed by `keys`.
 fn ad(keys: &Keypair, issued_at: u64, expires_at: u64) -> Vec<u8> {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
@@ -173,33 +192,10 @@ async fn a_hostile_peer_is_rejected_and_honest_traffic_flows() {
     let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
     net::wait_converged(&[&a, &b], 2).await;
 
-    let mut hostile = hostile_swarm();
+    let mut hostile = subscribed_hostile(&a, rand_secret()).await;
     let hostile_id = *hostile.local_peer_id();
     let topics = Topics::new(1);
     let offers = Topic::Offers { shard: 0 };
-    for t in [Topic::Ads, offers] {
-        hostile
-            .behaviour_mut()
-            .gossipsub
-            .subscribe(&topics.ident(t))
-            .unwrap();
-    }
-    hostile.dial(a.addr.clone()).unwrap();
-    // Drive the hostile swarm until node A has subscribed it to both topics.
-    let mut subscribed = 0;
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while subscribed < 2 {
-            if let SwarmEvent::Behaviour(HostileEvent::Gossipsub(gossipsub::Event::Subscribed {
-                ..
-            })) = hostile.select_next_some().await
-            {
-                subscribed += 1;
-            }
-        }
-    })
-    .await
-    .expect("node A subscribed to the hostile peer's topics");
-
     let now = now_ms();
     let stranger = Keypair::from_secret([77; 32]);
     let mut forged_sig = ad(&stranger, now, now + 60_000);
@@ -297,21 +293,7 @@ async fn a_hostile_peer_is_rejected_and_honest_traffic_flows() {
     }
 
     // Honest traffic still flows, both ways.
-    let offer = b.handle.publish_offer(net::offer(60_000)).await.unwrap();
-    wait_for(
-        Duration::from_secs(10),
-        "node A to see the honest offer",
-        || async {
-            a.handle
-                .offers()
-                .await
-                .ok()?
-                .iter()
-                .any(|o| o.job_id == offer.job_id)
-                .then_some(())
-        },
-    )
-    .await;
+    an_honest_offer_reaches(&b, &a).await;
     let ping = b.handle.ping(a.handle.peer_id(), 3).await.unwrap();
     assert_eq!(ping.rtt_us.len(), 3);
     assert!(a.handle.status().await.is_ok());
@@ -629,21 +611,7 @@ async fn one_key_cannot_flood_the_view_with_offers_or_updates() {
     );
     assert!(on_b <= bound, "B holds {on_b} of the flood (bound {bound})");
     // Honest offers still reach every node.
-    let honest = b.handle.publish_offer(net::offer(60_000)).await.unwrap();
-    wait_for(
-        Duration::from_secs(10),
-        "A to see the honest offer",
-        || async {
-            a.handle
-                .offers()
-                .await
-                .ok()?
-                .iter()
-                .any(|o| o.job_id == honest.job_id)
-                .then_some(())
-        },
-    )
-    .await;
+    an_honest_offer_reaches(&b, &a).await;
     drop(hostile);
     b.stop().await;
     a.stop().await;
