@@ -167,6 +167,11 @@ pub struct Limits {
     pub max_established_per_peer: u32,
     /// Most incoming connections still handshaking.
     pub max_pending_incoming: u32,
+    /// Most incoming connections still handshaking from one IP address (raise it for
+    /// local testnets, where every node is on 127.0.0.1).
+    pub max_pending_per_ip: u32,
+    /// Seconds a connection may take to finish its handshake.
+    pub handshake_timeout_secs: u64,
     /// Most outgoing connections still handshaking.
     pub max_pending_outgoing: u32,
     /// Seconds an idle connection stays open.
@@ -232,6 +237,8 @@ impl Default for Limits {
             max_established: 256,
             max_established_per_peer: 2,
             max_pending_incoming: 64,
+            max_pending_per_ip: 8,
+            handshake_timeout_secs: 5,
             max_pending_outgoing: 64,
             idle_connection_timeout_secs: 300,
             request_timeout_secs: 10,

@@ -2,6 +2,8 @@
 
 mod behaviour;
 mod codec;
+mod pending;
+pub use pending::PendingPerIp;
 mod topics;
 
 pub use behaviour::{
@@ -33,6 +35,9 @@ pub fn build(key: identity::Keypair, config: &NodeConfig) -> anyhow::Result<Swar
         .with_behaviour(|key, relay_client| Behaviour::new(key, relay_client, config))
         .map_err(|e| anyhow::anyhow!("building the swarm behaviour: {e}"))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
+        // A connection that has not finished its handshake by then is dropped: idle
+        // sockets cannot hold the handshake slots for long.
+        .with_connection_timeout(Duration::from_secs(config.limits.handshake_timeout_secs))
         .build();
     Ok(swarm)
 }

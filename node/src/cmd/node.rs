@@ -166,6 +166,7 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
     }
     if args.testnet {
         config.gossip.ip_colocation_threshold = 10_000.0;
+        config.limits.max_pending_per_ip = 10_000;
     }
     config.ceilings = Some(args.ceilings.clone());
     config.check()?;

@@ -38,6 +38,7 @@ pub const MAX_TRANSMIT_SIZE: usize =
 /// Everything the swarm speaks.
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
+    pub(crate) pending: super::pending::PendingPerIp,
     pub(crate) limits: connection_limits::Behaviour,
     pub(crate) gossipsub: gossipsub::Behaviour<gossipsub::IdentityTransform, SubscriptionFilter>,
     pub(crate) kad: kad::Behaviour<kad::store::MemoryStore>,
@@ -140,6 +141,7 @@ impl Behaviour {
         let rr_config = request_response::Config::default()
             .with_request_timeout(Duration::from_secs(config.limits.request_timeout_secs));
         Ok(Self {
+            pending: super::pending::PendingPerIp::new(config.limits.max_pending_per_ip),
             limits: connection_limits::Behaviour::new(limits),
             gossipsub,
             kad,

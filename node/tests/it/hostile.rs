@@ -761,3 +761,69 @@ async fn a_peer_asking_for_sync_pages_without_end_is_served_its_allowance() {
     drop(hostile);
     a.stop().await;
 }
+
+/// The port node `n` listens on over TCP.
+fn tcp_port(n: &net::TestNode) -> u16 {
+    n.addr
+        .iter()
+        .find_map(|p| match p {
+            libp2p::multiaddr::Protocol::Tcp(port) => Some(port),
+            _ => None,
+        })
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sockets_from_one_address_cannot_lock_out_honest_peers() {
+    let dir = tempfile::tempdir().unwrap();
+    // The default per-address limit (tests raise it: every test node is on 127.0.0.1).
+    let mut config = net::config(None);
+    config.limits.max_pending_per_ip = cannabis_node::NodeConfig::default()
+        .limits
+        .max_pending_per_ip;
+    let a = net::start_with(&dir.path().join("a"), config).await;
+    let target: std::net::SocketAddr = ([127, 0, 0, 1], tcp_port(&a)).into();
+    // 100 sockets from 127.0.0.2 that never start a handshake, renewed as A drops them,
+    // for as long as the test runs.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let attacker = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while held.len() < 100 {
+                    let s = tokio::net::TcpSocket::new_v4().unwrap();
+                    s.bind(([127, 0, 0, 2], 0).into()).unwrap();
+                    match s.connect(target).await {
+                        Ok(c) => held.push(c),
+                        Err(_) => break,
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Drop the ones A closed; the next round opens new ones.
+                let mut alive = Vec::new();
+                for c in held.drain(..) {
+                    let mut buf = [0u8; 1];
+                    match c.try_read(&mut buf) {
+                        Ok(0) => {}
+                        _ => alive.push(c),
+                    }
+                }
+                held = alive;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // An honest node joins through A while the sockets are held.
+    let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
+    let b_peer = b.handle.peer_id().to_string();
+    wait_for(Duration::from_secs(10), "A to accept B", || async {
+        let peers = a.handle.peers().await.ok()?;
+        peers.iter().any(|p| p.peer_id == b_peer).then_some(())
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = attacker.await;
+    b.stop().await;
+    a.stop().await;
+}
