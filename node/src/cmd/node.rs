@@ -167,6 +167,8 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
     if args.testnet {
         config.gossip.ip_colocation_threshold = 10_000.0;
         config.limits.max_pending_per_ip = 10_000;
+        // Many nodes starting on one machine handshake slowly.
+        config.limits.handshake_timeout_secs = config.limits.handshake_timeout_secs.max(10);
     }
     config.ceilings = Some(args.ceilings.clone());
     config.check()?;
