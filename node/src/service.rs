@@ -485,6 +485,12 @@ impl Node {
                     }
                     self.try_recover();
                     self.served.forget_full(std::time::Instant::now());
+                    if self.connections.is_empty() && !self.config.bootstrap.is_empty() {
+                        // Alone (the first dials failed, or every peer went): try the
+                        // bootstrap peers again rather than wait for Kademlia's next round.
+                        debug!("no peers: dialing the bootstrap peers again");
+                        self.bootstrap();
+                    }
                     self.decay_penalties(UPKEEP);
                     self.drop_graylisted();
                     self.catch_up();
