@@ -205,6 +205,10 @@ fn gossip_config(
         builder.max_transmit_size_for_topic(topic_cap(*topic), hash.clone());
     }
     Ok(builder
+        // Messages queued for one peer: a peer that stops reading holds at most this many
+        // (each within its topic's cap: at most 12 MiB of offers), and each one refused
+        // past them counts against it (P8).
+        .connection_handler_queue_len(200)
         .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
         .validation_mode(gossipsub::ValidationMode::Permissive)
         .validate_messages()

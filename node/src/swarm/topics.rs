@@ -152,6 +152,13 @@ pub fn peer_score(
         behaviour_penalty_weight: -10.0,
         behaviour_penalty_threshold: 6.0,
         behaviour_penalty_decay: 0.9,
+        // P8: a peer that does not read what it is sent in time (its queue of 200 full, or
+        // messages abandoned after a second): past 10 such messages, -4 each, keeping 90%
+        // a second. One that stops reading altogether is graylisted within about 30
+        // messages past its queue, and then disconnected, instead of pinning the queue.
+        slow_peer_weight: -4.0,
+        slow_peer_threshold: 10.0,
+        slow_peer_decay: 0.9,
         decay_interval: Duration::from_secs(1),
         decay_to_zero: 0.01,
         retain_score: Duration::from_secs(3600),

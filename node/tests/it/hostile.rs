@@ -827,3 +827,40 @@ async fn idle_sockets_from_one_address_cannot_lock_out_honest_peers() {
     b.stop().await;
     a.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_is_penalized_and_let_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b], 2).await;
+    let hostile = subscribed_hostile(&a, rand_secret()).await;
+    let hostile_id = hostile.local_peer_id().to_string();
+    // From here on the hostile swarm is never polled: soon it reads nothing.
+    // A and B publish 250 offers each, of about 40 KiB (20 MB in all), which A sends on.
+    for k in 0..250 {
+        for n in [&a, &b] {
+            let mut t = cannabis_testnet::bench::bench_offer(k);
+            t.tasks[0].workload.entrypoint.push("x".repeat(40_000));
+            n.handle.publish_offer(t).await.unwrap();
+        }
+    }
+    // The peer is penalized for what it did not take, then disconnected.
+    let outcome = wait_for(
+        Duration::from_secs(40),
+        "A to let the slow peer go",
+        || async {
+            let peers = a.handle.peers().await.ok()?;
+            match peers.iter().find(|p| p.peer_id == hostile_id) {
+                None => Some(f64::NEG_INFINITY),
+                Some(p) if p.score < -80.0 => Some(p.score),
+                Some(_) => None,
+            }
+        },
+    )
+    .await;
+    assert!(outcome < -80.0);
+    drop(hostile);
+    b.stop().await;
+    a.stop().await;
+}
