@@ -438,6 +438,14 @@ async fn a_node_challenges_a_peer_over_the_network() {
         &dir.path().join("c"),
     ))
     .unwrap();
+    // C reaches B directly (it may know B only through A's gossip so far).
+    c.handle.dial(b.addr.clone()).await.unwrap();
+    let b_peer = b.handle.peer_id().to_string();
+    wait_for(Duration::from_secs(10), "C to connect to B", || async {
+        let peers = c.handle.peers().await.ok()?;
+        peers.iter().any(|p| p.peer_id == b_peer).then_some(())
+    })
+    .await;
     let answer = c
         .handle
         .market(
