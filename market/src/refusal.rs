@@ -80,7 +80,8 @@ pub enum Refusal {
         /// The current epoch.
         current: u64,
     },
-    /// The acceptance names another worker or award than the one sent.
+    /// The acceptance names another worker or award than the one sent: no honest worker
+    /// signs one (an epoch is awarded once), so it counts against the sender.
     #[error("the acceptance does not match the award")]
     NotTheAward,
     /// The lease is already current.
@@ -165,6 +166,7 @@ impl Refusal {
                 | Refusal::BadSignature(_)
                 | Refusal::NotDrawn
                 | Refusal::Equivocation
+                | Refusal::NotTheAward
         )
     }
 }

@@ -884,3 +884,48 @@ fn a_worker_that_signs_two_bids_for_one_offer_is_caught_and_not_placed() {
     let award = w.awards()[0].clone();
     assert_eq!(award.worker, next);
 }
+
+#[test]
+fn an_acceptance_of_an_award_never_sent_is_refused_and_penalized() {
+    let mut w = world(2, vec![testkit::task("t", 1, 0, 0, 1, 100_000)]);
+    let now = T0.plus_ms(WINDOW);
+    w.net.tick(now);
+    let award = w.awards()[0].clone();
+    let worker = award.worker;
+    let i = w
+        .net
+        .nodes
+        .iter()
+        .position(|n| n.address() == worker)
+        .unwrap();
+    // The worker signs an acceptance of the right assignment and epoch, but of an award
+    // the requester never sent.
+    let accept = LeaseAccept {
+        award: Digest::of(b"an award nobody sent"),
+        job_id: award.job_id,
+        task: award.task,
+        rank: award.rank,
+        worker,
+        epoch: award.epoch,
+        issued_at: now,
+    };
+    let keys = testkit::keys(i as u64);
+    w.net.queue.clear();
+    w.net.queue.push(Envelope::Request {
+        from: worker,
+        to: w.net.nodes[0].address(),
+        req: OutboundId(9_999),
+        msg: Box::new(Inbound::Accept(
+            Signed::sign(&keys, &accept).open().unwrap(),
+        )),
+    });
+    w.net.settle(now);
+    let requester = &w.net.nodes[0];
+    assert_eq!(requester.refusals.last(), Some(&Refusal::NotTheAward));
+    assert!(
+        requester
+            .penalized
+            .iter()
+            .any(|(who, why)| *who == worker && *why == Refusal::NotTheAward)
+    );
+}
