@@ -648,32 +648,13 @@ impl Market {
         let mut m = Self::new(config, me, now);
         let mut bids = Vec::new();
         let mut leases = Vec::new();
-        let mut view = std::mem::replace(
-            &mut m.view,
-            View::new(ViewConfig::default(), Signatures::Assume),
+        // What the store kept was taken within the per-signer rates when it arrived: it is
+        // loaded without them, and they apply from here on.
+        let rates = (
+            m.view.config.offer_rate.take(),
+            m.view.config.ad_rate.take(),
         );
-        view.unlimited(|view| {
-            for record in records {
-                m.restore_record(view, record, now, &mut bids, &mut leases);
-            }
-        });
-        m.view = view;
-        m.forget_evicted();
-        m.leases = Leases::restore(m.me.address, bids, leases);
-        m.prune_passes();
-        m
-    }
-
-    fn restore_record(
-        &mut self,
-        view: &mut View,
-        record: Record,
-        now: Timestamp,
-        bids: &mut Vec<(Digest, SentBid)>,
-        leases: &mut Vec<(AssignmentKey, Lease)>,
-    ) {
-        let m = self;
-        {
+        for record in records {
             let key = record.key();
             match record {
                 Record::Ad {
@@ -684,7 +665,7 @@ impl Market {
                     let kept = signed.open().ok().is_some_and(|item| {
                         item.body.node == node
                             && matches!(
-                                view.on_ad(Arc::new(item), None, now, received_us),
+                                m.view.on_ad(Arc::new(item), None, now, received_us),
                                 Verdict::Accept(_)
                             )
                     });
@@ -700,7 +681,7 @@ impl Market {
                     let kept = signed.open().ok().is_some_and(|item| {
                         item.body.job_id == job
                             && matches!(
-                                view.on_offer(Arc::new(item), None, now, received_us),
+                                m.view.on_offer(Arc::new(item), None, now, received_us),
                                 Verdict::Accept(_)
                             )
                     });
@@ -738,6 +719,11 @@ impl Market {
                 }
             }
         }
+        (m.view.config.offer_rate, m.view.config.ad_rate) = rates;
+        m.forget_evicted();
+        m.leases = Leases::restore(m.me.address, bids, leases);
+        m.prune_passes();
+        m
     }
 
     /// Forgets the offers the view pushed out to make room.

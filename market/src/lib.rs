@@ -43,6 +43,7 @@ pub mod lease;
 pub mod matching;
 pub mod placement;
 pub mod quote;
+pub mod rate;
 pub mod spec;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;

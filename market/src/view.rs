@@ -1,6 +1,8 @@
 //! The live market view: capability ads and open job offers, with expiry, fed by gossip.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::rate::{Limiter, Rate};
 use std::sync::Arc;
 
 use cannabis_protocol::{
@@ -54,68 +56,6 @@ impl Default for ViewConfig {
                 burst: 16,
                 per_minute: 10,
             }),
-        }
-    }
-}
-
-/// A token bucket: `burst` at once, then `per_minute`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Rate {
-    /// Most taken at once.
-    pub burst: u32,
-    /// Sustained, per minute.
-    pub per_minute: u32,
-}
-
-/// One bucket per signer, in thousandths of a message; a bucket that has filled up again
-/// is forgotten (the same as a fresh one), so throwaway keys leave nothing behind.
-#[derive(Debug, Default)]
-struct Limiter {
-    buckets: HashMap<Address, (u64, Timestamp)>,
-    full_at: BTreeSet<(Timestamp, Address)>,
-}
-
-impl Limiter {
-    fn level(rate: Rate, bucket: Option<&(u64, Timestamp)>, now: Timestamp) -> u64 {
-        let cap = u64::from(rate.burst) * 1000;
-        match bucket {
-            None => cap,
-            Some(&(milli, at)) => {
-                let refill = now.ms_since(at).saturating_mul(u64::from(rate.per_minute)) / 60;
-                milli.saturating_add(refill).min(cap)
-            }
-        }
-    }
-
-    fn allows(&self, rate: Option<Rate>, who: &Address, now: Timestamp) -> bool {
-        rate.is_none_or(|r| Self::level(r, self.buckets.get(who), now) >= 1000)
-    }
-
-    fn charge(&mut self, rate: Option<Rate>, who: Address, now: Timestamp) {
-        let Some(rate) = rate else { return };
-        let old = self.buckets.get(&who).copied();
-        let milli = Self::level(rate, old.as_ref(), now).saturating_sub(1000);
-        if let Some((m, at)) = old {
-            self.full_at.remove(&(Self::full(rate, m, at), who));
-        }
-        self.buckets.insert(who, (milli, now));
-        self.full_at.insert((Self::full(rate, milli, now), who));
-    }
-
-    /// When a bucket at `milli` since `at` is full again.
-    fn full(rate: Rate, milli: u64, at: Timestamp) -> Timestamp {
-        let missing = (u64::from(rate.burst) * 1000).saturating_sub(milli);
-        let per_minute = u64::from(rate.per_minute).max(1);
-        at.plus_ms(missing.saturating_mul(60).div_ceil(per_minute))
-    }
-
-    fn expire(&mut self, now: Timestamp) {
-        while let Some(&(at, who)) = self.full_at.first() {
-            if at > now {
-                break;
-            }
-            self.full_at.pop_first();
-            self.buckets.remove(&who);
         }
     }
 }
@@ -305,7 +245,7 @@ enum Held {
 /// The live market a node sees.
 #[derive(Debug)]
 pub struct View {
-    config: ViewConfig,
+    pub(crate) config: ViewConfig,
     signatures: Signatures,
     ads: BTreeMap<Address, AdEntry>,
     /// The ads' nodes by their place on the bid draw's ring ([`draw::worker_point`]): a
@@ -322,8 +262,8 @@ pub struct View {
     holders: HashMap<Address, Holder>,
     by_bytes: BTreeSet<(usize, Address)>,
     offer_bytes: usize,
-    offer_limiter: Limiter,
-    ad_limiter: Limiter,
+    offer_limiter: Limiter<Address>,
+    ad_limiter: Limiter<Address>,
     /// Offers pushed out to make room, not yet taken by [`View::take_evicted`].
     evicted: Vec<Uuid>,
 }
@@ -363,15 +303,6 @@ impl View {
     /// The offers pushed out to make room for others since the last call.
     pub fn take_evicted(&mut self) -> Vec<Uuid> {
         std::mem::take(&mut self.evicted)
-    }
-
-    /// Runs `f` without the per-signer rate limits: for what the store kept, which was
-    /// taken within them before.
-    pub fn unlimited<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
-        let rates = (self.config.offer_rate.take(), self.config.ad_rate.take());
-        let r = f(self);
-        (self.config.offer_rate, self.config.ad_rate) = rates;
-        r
     }
 
     /// The cheap checks every gossiped message must pass, in order: source, expiry,
@@ -536,7 +467,7 @@ impl View {
         if replaces {
             self.drop_offer(&job);
         }
-        self.hold(signer, size, (expires_at, job), 1);
+        self.hold(signer, size, (expires_at, job), true);
         let entry = OfferEntry {
             item,
             received_at_us,
@@ -584,11 +515,11 @@ impl View {
         None
     }
 
-    /// Counts an offer of `signer` (`sign` 1) or forgets it (-1).
-    fn hold(&mut self, signer: Address, size: usize, key: (Timestamp, Uuid), sign: i8) {
+    /// Counts an offer of `signer` (`held`) or forgets it.
+    fn hold(&mut self, signer: Address, size: usize, key: (Timestamp, Uuid), held: bool) {
         let holder = self.holders.entry(signer).or_default();
         self.by_bytes.remove(&(holder.bytes, signer));
-        if sign > 0 {
+        if held {
             holder.bytes += size;
             holder.offers.insert(key);
             self.offer_bytes += size;
@@ -609,7 +540,12 @@ impl View {
         let e = self.offers.remove(job)?;
         let (signer, expires_at) = (e.offer().requester, e.offer().expires_at);
         self.expiries.remove(&(expires_at, Held::Offer(*job)));
-        self.hold(signer, e.signed().payload().len(), (expires_at, *job), -1);
+        self.hold(
+            signer,
+            e.signed().payload().len(),
+            (expires_at, *job),
+            false,
+        );
         Some(e)
     }
 
@@ -1034,7 +970,7 @@ mod tests {
         );
         // A full bucket is forgotten: nothing is kept per signer once it would be full.
         v.expire(NOW.plus_ms(10_000));
-        assert!(v.offer_limiter.buckets.is_empty());
+        assert!(v.offer_limiter.is_empty());
     }
 
     #[test]

@@ -227,7 +227,7 @@ pub(crate) struct Node {
     /// Blocks taken lately.
     blocks: gossip::Blocks,
     /// Sync pages served per peer (the allowance).
-    served: directed::Served,
+    served: cannabis_market::rate::Limiter<PeerId>,
     /// Why the node is in read-only safe mode (a write to its store failed), if it is.
     safe_mode: Option<String>,
 }
@@ -336,7 +336,7 @@ pub async fn start(
         proving: None,
         answered: challenge::Answered::default(),
         blocks: gossip::Blocks::default(),
-        served: directed::Served::default(),
+        served: cannabis_market::rate::Limiter::default(),
         safe_mode: None,
     };
     node.drain();
@@ -484,7 +484,7 @@ impl Node {
                         warn!(off_ms = off, "the wall clock stepped: the node's time follows it slowly");
                     }
                     self.try_recover();
-                    self.served.forget_full(std::time::Instant::now());
+                    self.served.expire(now().0);
                     if self.connections.is_empty() && !self.config.bootstrap.is_empty() {
                         // Alone (the first dials failed, or every peer went): try the
                         // bootstrap peers again rather than wait for Kademlia's next round.

@@ -178,7 +178,7 @@ impl Store {
         let mut txn = db.begin_write()?;
         let gossip_only = ops.iter().all(|op| match op {
             RecordOp::Put(Record::Ad { node, .. }) => node != me,
-            RecordOp::Put(Record::Offer { signed, .. }) => signed.signer().ok() != Some(*me),
+            RecordOp::Put(Record::Offer { signed, .. }) => !signed.names_signer(me),
             RecordOp::Delete(RecordKey::Ad(_) | RecordKey::Offer(_)) => true,
             _ => false,
         });

@@ -152,6 +152,12 @@ impl<T: Message> Signed<T> {
         Address::from_public_key(self.signer.0)
     }
 
+    /// Whether the envelope names `who` as its signer: a byte comparison, no key parsing
+    /// and no signature check.
+    pub fn names_signer(&self, who: &Address) -> bool {
+        self.signer.0 == *who.public_key()
+    }
+
     /// The signature, as it arrived.
     pub fn signature(&self) -> &SignatureBytes {
         &self.signature

@@ -1175,32 +1175,27 @@ pub(crate) mod tests {
     fn custom_code_needs_every_limit_and_a_user_of_its_own() {
         let mut t = task(AdapterKind::Process);
         t.workload.entrypoint = vec!["sh".into()];
-        let namespaces = vec![
-            IsolationLayer::UserNamespace,
-            IsolationLayer::MountNamespace,
-            IsolationLayer::PidNamespace,
-            IsolationLayer::NetworkNamespace,
-            IsolationLayer::IpcUtsNamespace,
-            IsolationLayer::NoPrivileges,
-            IsolationLayer::Seccomp,
-            IsolationLayer::BoundedWorkdir,
-        ];
+        let is_cgroup = |l: &IsolationLayer| {
+            matches!(
+                l,
+                IsolationLayer::CgroupMemory
+                    | IsolationLayer::CgroupPids
+                    | IsolationLayer::CgroupCpu
+            )
+        };
+        let namespaces: Vec<_> = adapter::PROCESS_LAYERS
+            .iter()
+            .copied()
+            .filter(|l| !is_cgroup(l))
+            .collect();
         // Every namespace, but no cgroup controllers (a host that did not delegate them):
         // a program could fork-bomb the machine or take its memory.
-        let mut ex = inner(namespaces.clone());
+        let mut ex = inner(namespaces);
         ex.as_root = true;
         let why = ex.admit(&ex.lock(), &req(t.clone())).unwrap_err();
         assert!(why.contains("process adapter needs"), "{why}");
         // Every layer, as root: taken.
-        let all = [
-            namespaces,
-            vec![
-                IsolationLayer::CgroupMemory,
-                IsolationLayer::CgroupPids,
-                IsolationLayer::CgroupCpu,
-            ],
-        ]
-        .concat();
+        let all = adapter::PROCESS_LAYERS.to_vec();
         let mut ex = inner(all);
         ex.as_root = true;
         assert!(ex.admit(&ex.lock(), &req(t.clone())).is_ok());

@@ -167,6 +167,17 @@ impl World {
         )
     }
 
+    /// Delivers `msg` from `from` to `to` as a directed request, and everything it causes.
+    fn request(&mut self, from: Address, to: Address, msg: Inbound, now: Timestamp) {
+        self.net.queue.push(Envelope::Request {
+            from,
+            to,
+            req: OutboundId(9_999),
+            msg: Box::new(msg),
+        });
+        self.net.settle(now);
+    }
+
     fn is_current(
         &self,
         worker: &Address,
@@ -521,13 +532,7 @@ fn workers_refuse_stale_and_foreign_lease_messages() {
     let requester = testkit::keys(0);
     let worker = award.worker;
     let send = |w: &mut World, from: &Keypair, msg: Inbound| {
-        w.net.queue.push(Envelope::Request {
-            from: from.address(),
-            to: worker,
-            req: OutboundId(9_999),
-            msg: Box::new(msg),
-        });
-        w.net.settle(now);
+        w.request(from.address(), worker, msg, now);
     };
     let refusals = |w: &World| w.worker(&worker).refusals.clone();
     // The same award again: stale.
@@ -829,13 +834,8 @@ fn a_worker_that_signs_two_bids_for_one_offer_is_caught_and_not_placed() {
     second.issued_at = T0.plus_ms(1);
     let keys = testkit::keys(1);
     let requester = w.net.nodes[0].address();
-    w.net.queue.push(Envelope::Request {
-        from: cheapest,
-        to: requester,
-        req: OutboundId(9_999),
-        msg: Box::new(Inbound::Bid(Signed::sign(&keys, &second).open().unwrap())),
-    });
-    w.net.settle(T0.plus_ms(1));
+    let msg = Inbound::Bid(Signed::sign(&keys, &second).open().unwrap());
+    w.request(cheapest, requester, msg, T0.plus_ms(1));
     let node = &w.net.nodes[0];
     assert_eq!(node.refusals.last(), Some(&Refusal::Equivocation));
     assert!(
@@ -862,17 +862,12 @@ fn a_worker_that_signs_two_bids_for_one_offer_is_caught_and_not_placed() {
     forged.price = Amount(1);
     let (payload, signer, mut sig) = Signed::sign(&testkit::keys(2), &forged).into_parts();
     sig.0[0] ^= 1;
-    w.net.queue.push(Envelope::Request {
-        from: next,
-        to: requester,
-        req: OutboundId(9_998),
-        msg: Box::new(Inbound::Bid(
-            Signed::<Bid>::from_parts(payload, signer, sig)
-                .open()
-                .unwrap(),
-        )),
-    });
-    w.net.settle(T0.plus_ms(2));
+    let msg = Inbound::Bid(
+        Signed::<Bid>::from_parts(payload, signer, sig)
+            .open()
+            .unwrap(),
+    );
+    w.request(next, requester, msg, T0.plus_ms(2));
     assert!(matches!(
         w.net.nodes[0].refusals.last(),
         Some(Refusal::BadSignature(_))
@@ -911,15 +906,9 @@ fn an_acceptance_of_an_award_never_sent_is_refused_and_penalized() {
     };
     let keys = testkit::keys(i as u64);
     w.net.queue.clear();
-    w.net.queue.push(Envelope::Request {
-        from: worker,
-        to: w.net.nodes[0].address(),
-        req: OutboundId(9_999),
-        msg: Box::new(Inbound::Accept(
-            Signed::sign(&keys, &accept).open().unwrap(),
-        )),
-    });
-    w.net.settle(now);
+    let requester = w.net.nodes[0].address();
+    let msg = Inbound::Accept(Signed::sign(&keys, &accept).open().unwrap());
+    w.request(worker, requester, msg, now);
     let requester = &w.net.nodes[0];
     assert_eq!(requester.refusals.last(), Some(&Refusal::NotTheAward));
     assert!(

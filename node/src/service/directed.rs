@@ -2,9 +2,9 @@
 //! which gives a node that just connected the live market it missed. Requests are decoded
 //! here once and handed to the engine; what the engine sends is signed here.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
+use cannabis_market::rate::Rate;
 use cannabis_market::{
     Answer, Heard, Inbound, InboundId, Input, Origin, Outbound, OutboundId, Reply, SyncId, Verdict,
 };
@@ -26,47 +26,13 @@ const SYNC_PAGE_BYTES: usize = SyncResponse::MAX_SIZE / 2;
 const MAX_SYNC_PAGES: u32 = 128;
 const MAX_SYNC_BYTES: usize = 256 << 20;
 
-/// How many sync pages one peer is served: `SERVE_BURST` at once (a view of 100,000 ads
-/// and as many offers is about 160 pages), then `SERVE_PER_MINUTE`. Past it a peer gets
-/// an empty last page: a 512-byte request cannot make the node encode megabytes at will.
-const SERVE_BURST: f64 = 160.0;
-const SERVE_PER_MINUTE: f64 = 30.0;
-
-/// Sync pages served per peer: a token bucket each, forgotten once full again.
-#[derive(Default)]
-pub(crate) struct Served(HashMap<PeerId, (f64, std::time::Instant)>);
-
-impl Served {
-    fn level(&self, peer: &PeerId, now: std::time::Instant) -> f64 {
-        self.0.get(peer).map_or(SERVE_BURST, |(tokens, at)| {
-            let refill = now.duration_since(*at).as_secs_f64() * SERVE_PER_MINUTE / 60.0;
-            (tokens + refill).min(SERVE_BURST)
-        })
-    }
-
-    /// Takes one page for `peer`, if it has one left.
-    pub(crate) fn take(&mut self, peer: PeerId, now: std::time::Instant) -> bool {
-        let level = self.level(&peer, now);
-        if level < 1.0 {
-            return false;
-        }
-        self.0.insert(peer, (level - 1.0, now));
-        true
-    }
-
-    /// Forgets the peers whose bucket is full again.
-    pub(crate) fn forget_full(&mut self, now: std::time::Instant) {
-        let full: Vec<PeerId> = self
-            .0
-            .keys()
-            .filter(|p| self.level(p, now) >= SERVE_BURST)
-            .copied()
-            .collect();
-        for p in full {
-            self.0.remove(&p);
-        }
-    }
-}
+/// How many sync pages one peer is served: 160 at once (a view of 100,000 ads and as many
+/// offers is about 160 pages), then 30 a minute. Past it a peer gets an empty last page: a
+/// 512-byte request cannot make the node encode megabytes at will.
+pub(crate) const SERVE_RATE: Rate = Rate {
+    burst: 160,
+    per_minute: 30,
+};
 
 /// A sync run with one peer for one kind: the page asked for, and what came so far.
 pub(super) struct SyncRun {
@@ -332,7 +298,7 @@ impl Node {
             } => {
                 // A graylisted peer, or one past its allowance, gets an empty last page:
                 // nothing to encode.
-                let allowed = self.served.take(peer, std::time::Instant::now());
+                let allowed = self.served.take(SERVE_RATE, peer, now().0);
                 if !allowed {
                     debug!(%peer, "sync pages beyond the peer's allowance: an empty page");
                 }
@@ -535,23 +501,26 @@ impl Node {
 
 #[cfg(test)]
 mod tests {
+    use cannabis_market::rate::Limiter;
+    use cannabis_protocol::Timestamp;
+
     use super::*;
 
     #[test]
     fn a_peer_is_served_its_burst_of_sync_pages_then_its_rate() {
-        let mut served = Served::default();
+        let mut served = Limiter::default();
         let (p, q) = (PeerId::random(), PeerId::random());
-        let t = std::time::Instant::now();
-        let taken = (0..1000).filter(|_| served.take(p, t)).count();
-        assert_eq!(taken, SERVE_BURST as usize);
+        let t = Timestamp(1_000_000);
+        let taken = (0..1000).filter(|_| served.take(SERVE_RATE, p, t)).count();
+        assert_eq!(taken, SERVE_RATE.burst as usize);
         // Another peer has its own allowance.
-        assert!(served.take(q, t));
+        assert!(served.take(SERVE_RATE, q, t));
         // Two seconds later, one more page (30 a minute).
-        let later = t + std::time::Duration::from_secs(2);
-        assert!(served.take(p, later));
-        assert!(!served.take(p, later));
+        let later = t.plus_ms(2_000);
+        assert!(served.take(SERVE_RATE, p, later));
+        assert!(!served.take(SERVE_RATE, p, later));
         // Full again after long enough, and forgotten.
-        served.forget_full(t + std::time::Duration::from_secs(3600));
-        assert!(served.0.is_empty());
+        served.expire(t.plus_ms(3_600_000));
+        assert!(served.is_empty());
     }
 }

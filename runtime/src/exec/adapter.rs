@@ -70,7 +70,7 @@ struct Process;
 /// What a requester's own program runs only inside: every namespace, seccomp, a bounded
 /// work directory, and the memory, process-count and CPU limits of its cgroup (without
 /// them one program could fork-bomb the machine or exhaust its memory).
-const PROCESS_LAYERS: &[IsolationLayer] = &[
+pub(crate) const PROCESS_LAYERS: &[IsolationLayer] = &[
     IsolationLayer::UserNamespace,
     IsolationLayer::MountNamespace,
     IsolationLayer::PidNamespace,
