@@ -30,8 +30,8 @@ use std::sync::Arc;
 
 use cannabis_protocol::{
     Address, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryRecipient, Digest,
-    Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest, Received,
-    Signed, Timestamp, Uuid,
+    FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest,
+    Received, Signed, Timestamp, Uuid,
 };
 
 use crate::fanin::FaninConfig;
@@ -57,6 +57,10 @@ pub struct MarketConfig {
     pub fanin: FaninConfig,
     /// Whether signatures are checked (always, on a node).
     pub signatures: Signatures,
+    /// The network's fee terms (rate and recipient), a network parameter: this node's
+    /// offers carry them, and as a worker it declines offers that carry others. `None`:
+    /// this node's network pins none, so it publishes no offer and takes none.
+    pub fee: Option<FeeTerms>,
 }
 
 /// Who this node is.
@@ -560,6 +564,12 @@ pub enum CommandError {
     /// The state machine refused.
     #[error(transparent)]
     Refused(#[from] Refusal),
+    /// The network's fee terms are not configured, and an offer must carry them.
+    #[error(
+        "this node's network pins no fee terms: set the fee rate and recipient \
+         (`gossip.fee` in the node's configuration)"
+    )]
+    NoFeeTerms,
 }
 
 /// What a request the engine sent was for.

@@ -5,8 +5,8 @@
 //! by its owner's choice or because its price is above the budget, sends a signed reason.
 
 use cannabis_protocol::{
-    AdapterKind, Address, Amount, Bid, CapabilityAd, Decline, Digest, JobOffer, PriceSheet,
-    TaskSpec, draw,
+    AdapterKind, Address, Amount, Bid, CapabilityAd, Decline, Digest, FeeTerms, JobOffer,
+    PriceSheet, TaskSpec, draw,
 };
 use serde::{Deserialize, Serialize};
 
@@ -94,10 +94,14 @@ pub fn price(
 }
 
 /// A worker's answer to task `task` of `offer` (message id `offer_id`), given its own ad,
-/// its owner's policy and the time. Only a worker the task's bid call draws answers (see
-/// [`cannabis_protocol::draw`]); a decline is drawn at the call's reference price.
+/// its owner's policy, its network's fee terms and the time. Only a worker the task's bid
+/// call draws answers (see [`cannabis_protocol::draw`]); a decline is drawn at the call's
+/// reference price. An offer whose fee terms are not the network's is declined: a worker
+/// that took one would help its requester skip the fee (and with no terms pinned, a worker
+/// cannot tell, so it takes none).
 pub fn answer(
     policy: &WorkerPolicy,
+    terms: Option<&FeeTerms>,
     ad: &CapabilityAd,
     offer: &JobOffer,
     offer_id: Digest,
@@ -125,6 +129,16 @@ pub fn answer(
             issued_at: now,
         }))
     };
+    match terms {
+        None => return decline("this worker's network pins no fee terms".into()),
+        Some(t) if *t != offer.fee => {
+            return decline(format!(
+                "the offer's fee terms ({} bps to {}) are not the network's ({} bps to {})",
+                offer.fee.rate_bps, offer.fee.recipient, t.rate_bps, t.recipient
+            ));
+        }
+        Some(_) => {}
+    }
     if !policy.allowed_requesters.is_empty()
         && !policy.allowed_requesters.contains(&offer.requester)
     {

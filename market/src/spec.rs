@@ -75,9 +75,6 @@ pub struct OfferTemplate {
     /// Acceptance metrics.
     #[serde(default)]
     pub acceptance: Vec<AcceptanceMetric>,
-    /// Who receives the 1% fee; this node when absent.
-    #[serde(default)]
-    pub fee_recipient: Option<Address>,
     /// Place before the bid window ends, as soon as this is met (kept by the requester's
     /// node, not published).
     #[serde(default)]
@@ -399,7 +396,6 @@ impl JobSpec {
             deadline_ms: self.deadline_ms,
             review_window_ms: self.review_window_ms,
             acceptance: self.acceptance.clone(),
-            fee_recipient: None,
             early: self.early,
         })
     }

@@ -182,12 +182,17 @@ pub fn offer(
         deadline: now.plus_ms(deadline_ms),
         delivery: DeliveryIdentity::from_secret([2; 32]).recipient(),
         budget,
-        fee: FeeTerms::founder(requester),
+        fee: fee_terms(),
         review_window_ms: 60_000,
         acceptance: Vec::new(),
         calls: vec![cannabis_protocol::BidCall::EVERYONE; tasks.len()],
         tasks,
     }
+}
+
+/// The fee terms of the test network: 1% to the address of [`keys`]`(0xfee)`.
+pub fn fee_terms() -> FeeTerms {
+    FeeTerms::founder(keys(0xfee).address())
 }
 
 /// A template of `tasks`, taking bids for `window_ms` and due `deadline_ms` after it is
@@ -201,7 +206,6 @@ pub fn template(tasks: Vec<TaskSpec>, window_ms: u64, deadline_ms: u64) -> crate
         deadline_ms,
         review_window_ms: 60_000,
         acceptance: Vec::new(),
-        fee_recipient: None,
         early: None,
     }
 }

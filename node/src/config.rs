@@ -201,6 +201,11 @@ pub struct Gossip {
     /// The network's ledger sequencers: blocks are taken only from them (a network
     /// parameter, the same on every node; none: no blocks are taken).
     pub sequencers: Vec<cannabis_protocol::Address>,
+    /// The network's fee terms: its rate in basis points and its recipient (a network
+    /// parameter, the same on every node). This node's offers carry them, and as a worker
+    /// it declines offers that carry others, with a signed reason. None: this node neither
+    /// publishes nor takes offers. `cannabis testnet up` pins a testnet's own.
+    pub fee: Option<cannabis_protocol::FeeTerms>,
 }
 
 impl Default for NodeConfig {
@@ -255,6 +260,7 @@ impl Default for Gossip {
             ip_colocation_threshold: 10.0,
             offer_shards: 1,
             sequencers: Vec::new(),
+            fee: None,
         }
     }
 }
@@ -292,6 +298,12 @@ impl NodeConfig {
                 && self.gossip.offer_shards <= cannabis_protocol::draw::MAX_SHARDS,
             "gossip.offer_shards must be a power of two from 1 to 1024 (and the same on every node)"
         );
+        if let Some(fee) = &self.gossip.fee {
+            anyhow::ensure!(
+                fee.rate_bps <= cannabis_protocol::BPS_DENOMINATOR,
+                "gossip.fee.rate_bps must be at most 10000 (100%); the founder fee is 100 (1%)"
+            );
+        }
         Ok(())
     }
 }
@@ -347,13 +359,14 @@ mod tests {
     #[test]
     fn testnet_node_files_parse_and_differ() {
         let configs: Vec<NodeConfig> = (0..8)
-            .map(|i| toml::from_str(&cannabis_testnet::launcher::node_config(i)).unwrap())
+            .map(|i| {
+                let recipient = cannabis_market::testkit::fee_terms().recipient.to_string();
+                toml::from_str(&cannabis_testnet::launcher::node_config(i, &recipient)).unwrap()
+            })
             .collect();
-        assert!(
-            configs
-                .iter()
-                .all(|c| c.worker.custom_code && c.check().is_ok())
-        );
+        assert!(configs.iter().all(|c| c.worker.custom_code
+            && c.check().is_ok()
+            && c.gossip.fee == Some(cannabis_market::testkit::fee_terms())));
         let prices: std::collections::BTreeSet<u64> = configs
             .iter()
             .map(|c| c.owner.prices.cpu_core_hour.0)

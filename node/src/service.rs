@@ -368,6 +368,7 @@ fn market_config(config: &NodeConfig) -> MarketConfig {
         worker: config.worker.clone(),
         fanin: config.fanin.clone(),
         signatures: cannabis_market::Signatures::Check,
+        fee: config.gossip.fee.clone(),
     }
 }
 

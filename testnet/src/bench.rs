@@ -134,7 +134,6 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
         deadline_ms: 20 * 60_000,
         review_window_ms: 60 * 60_000,
         acceptance: Vec::new(),
-        fee_recipient: None,
         early: None,
     }
 }

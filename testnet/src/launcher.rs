@@ -79,7 +79,8 @@ impl Testnet {
             dir: opts.dir.clone(),
             nodes: Vec::new(),
         };
-        let first = spawn(opts, 0, None)?;
+        let fee_recipient = founder(opts)?;
+        let first = spawn(opts, 0, None, &fee_recipient)?;
         let tcp = first
             .info
             .listen_addrs
@@ -91,7 +92,7 @@ impl Testnet {
         // Start the rest together, then wait for each.
         let mut starting = Vec::new();
         for i in 1..opts.nodes {
-            starting.push(start_process(opts, i, Some(&bootstrap))?);
+            starting.push(start_process(opts, i, Some(&bootstrap), &fee_recipient)?);
         }
         for (i, (data_dir, child)) in starting.into_iter().enumerate() {
             let node = wait_ready(i + 1, data_dir, child, opts.ready_timeout)?;
@@ -271,35 +272,66 @@ fn proc_kib(path: &str, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn spawn(opts: &TestnetOptions, index: usize, bootstrap: Option<&str>) -> anyhow::Result<NodeProc> {
-    let (data_dir, child) = start_process(opts, index, bootstrap)?;
+fn spawn(
+    opts: &TestnetOptions,
+    index: usize,
+    bootstrap: Option<&str>,
+    fee_recipient: &str,
+) -> anyhow::Result<NodeProc> {
+    let (data_dir, child) = start_process(opts, index, bootstrap, fee_recipient)?;
     wait_ready(index, data_dir, child, opts.ready_timeout)
+}
+
+/// Creates the keys of a data directory unless it has them.
+fn ensure_keys(binary: &Path, data_dir: &Path, who: &str) -> anyhow::Result<()> {
+    fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    if !data_dir.join("keys/node.key").exists() {
+        let out = Command::new(binary)
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(["keys", "new"])
+            .output()
+            .with_context(|| format!("running {}", binary.display()))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "creating keys for {who}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// The testnet's fee recipient: the address of the keys in `founder/`, made on the first
+/// `up`. Every node's configuration pins it with the 1% rate, as a real network's does.
+fn founder(opts: &TestnetOptions) -> anyhow::Result<String> {
+    let dir = opts.dir.join("founder");
+    ensure_keys(&opts.binary, &dir, "the testnet's fee recipient")?;
+    let out = Command::new(&opts.binary)
+        .arg("--data-dir")
+        .arg(&dir)
+        .args(["keys", "address"])
+        .output()
+        .with_context(|| format!("running {}", opts.binary.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "reading the fee recipient's address: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn start_process(
     opts: &TestnetOptions,
     index: usize,
     bootstrap: Option<&str>,
+    fee_recipient: &str,
 ) -> anyhow::Result<(PathBuf, Child)> {
     let data_dir = opts.dir.join(format!("node-{index}"));
-    fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-    if !data_dir.join("keys/node.key").exists() {
-        let out = Command::new(&opts.binary)
-            .arg("--data-dir")
-            .arg(&data_dir)
-            .args(["keys", "new"])
-            .output()
-            .with_context(|| format!("running {}", opts.binary.display()))?;
-        anyhow::ensure!(
-            out.status.success(),
-            "creating keys for node {index}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    ensure_keys(&opts.binary, &data_dir, &format!("node {index}"))?;
     let _ = fs::remove_file(data_dir.join("node.json"));
     let config = data_dir.join("node.toml");
     if !config.exists() {
-        fs::write(&config, node_config(index))
+        fs::write(&config, node_config(index, fee_recipient))
             .with_context(|| format!("writing {}", config.display()))?;
     }
     let log = fs::OpenOptions::new()
@@ -333,8 +365,9 @@ fn start_process(
 /// price and by capability shows. Prices spread over 600 to 2,400 base units a core-hour;
 /// each node offers a quarter, half, three quarters or all of this machine's cores and
 /// memory (through the executor's owner limits, which its ad follows). Its owner allows
-/// requesters' own programs (a testnet is its owner's own machine).
-pub fn node_config(index: usize) -> String {
+/// requesters' own programs (a testnet is its owner's own machine). Every node pins the
+/// testnet's fee terms: 1% to `fee_recipient`.
+pub fn node_config(index: usize, fee_recipient: &str) -> String {
     let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
     let memory_mib = fs::read_to_string("/proc/meminfo")
         .ok()
@@ -354,7 +387,9 @@ pub fn node_config(index: usize) -> String {
         "# Written by `cannabis testnet up` for node {index}.\n\
          [owner.prices]\ncpu_core_hour = {cpu_price}\nmemory_gib_hour = {memory_price}\n\n\
          [executor]\ncpu = {cpu}\nmemory = \"{memory}MiB\"\n\n\
-         [worker]\ncustom_code = true\n"
+         [worker]\ncustom_code = true\n\n\
+         [gossip.fee]\nrate_bps = {}\nrecipient = \"{fee_recipient}\"\n",
+        cannabis_protocol::FOUNDER_FEE_BPS
     )
 }
 

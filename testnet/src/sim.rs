@@ -383,6 +383,7 @@ impl Sim {
                 offer_rate: None,
                 ..cannabis_market::ViewConfig::default()
             },
+            fee: Some(testkit::fee_terms()),
             ..MarketConfig::default()
         };
         let mut nodes = Vec::with_capacity(config.nodes);
@@ -903,6 +904,7 @@ impl Sim {
             now: offer.issued_at,
             ..cannabis_market::matching::Context::default()
         };
+        let terms = testkit::fee_terms();
         let candidates: Vec<Candidate> = self
             .nodes
             .iter()
@@ -914,7 +916,7 @@ impl Sim {
                     max_leases: n.machine.cores,
                     ..WorkerPolicy::default()
                 };
-                match quote::answer(&policy, &ad.body, &everyone, id, 0, &ctx)? {
+                match quote::answer(&policy, Some(&terms), &ad.body, &everyone, id, 0, &ctx)? {
                     quote::Answer::Bid(bid) => Some(Candidate {
                         id: message_id(&bid),
                         class: Class::of(spec, &ad.body),
@@ -1251,7 +1253,15 @@ pub fn placement_figures(ads: usize, reps: usize) -> PlacementFigures {
     let candidates: Vec<Candidate> = ads
         .iter()
         .filter_map(|ad| {
-            match quote::answer(&WorkerPolicy::default(), ad, &offer, offer_id, 0, &ctx)? {
+            match quote::answer(
+                &WorkerPolicy::default(),
+                Some(&testkit::fee_terms()),
+                ad,
+                &offer,
+                offer_id,
+                0,
+                &ctx,
+            )? {
                 quote::Answer::Bid(bid) => Some(Candidate {
                     id: message_id(&bid),
                     class: Class::of(&task, ad),

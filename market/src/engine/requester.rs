@@ -2,8 +2,8 @@
 //! here and only here), running jobs, widening calls that drew too few bids.
 
 use cannabis_protocol::{
-    Amount, Bid, Decline, FOUNDER_FEE_BPS, FeeTerms, JobOffer, LeaseAccept, Message as _,
-    NamedDigest, Received, Uuid, draw, message_id,
+    Amount, Bid, Decline, JobOffer, LeaseAccept, Message as _, NamedDigest, Received, Uuid, draw,
+    message_id,
 };
 
 use super::{
@@ -35,6 +35,7 @@ impl Market {
         {
             return Err(CommandError::JobIdTaken(job_id));
         }
+        let fee = self.config.fee.clone().ok_or(CommandError::NoFeeTerms)?;
         let budget = Amount::sum(t.tasks.iter().map(|t| &t.budget))?;
         let ctx = self.context();
         let calls = t
@@ -62,10 +63,7 @@ impl Market {
             deadline: now.plus_ms(t.deadline_ms),
             delivery: self.me.delivery,
             budget,
-            fee: FeeTerms {
-                rate_bps: FOUNDER_FEE_BPS,
-                recipient: t.fee_recipient.unwrap_or(me),
-            },
+            fee,
             review_window_ms: t.review_window_ms,
             acceptance: t.acceptance.clone(),
             tasks: t.tasks.clone(),

@@ -36,7 +36,9 @@ impl Market {
                     && declined.is_none_or(|d| !d.contains(&t))
             })
             .filter_map(|t| {
-                quote::answer(&self.config.worker, own, offer, item.id, t, &ctx).map(|a| (t, a))
+                let terms = self.config.fee.as_ref();
+                quote::answer(&self.config.worker, terms, own, offer, item.id, t, &ctx)
+                    .map(|a| (t, a))
             })
             .collect();
         let requester = offer.requester;

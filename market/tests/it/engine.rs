@@ -11,8 +11,8 @@ use cannabis_market::quote;
 use cannabis_market::testkit::net::{Envelope, Net, Node};
 use cannabis_market::testkit::{self, Machine};
 use cannabis_market::{
-    Command, CommandOk, Inbound, Market, MarketEvent, OfferTemplate, OutboundId, Output, Publish,
-    Refusal, Signatures, Verdict, View, ViewConfig,
+    Command, CommandError, CommandOk, Inbound, Market, MarketEvent, OfferTemplate, OutboundId,
+    Output, Publish, Refusal, Signatures, Verdict, View, ViewConfig,
 };
 use cannabis_protocol::draw::{self, BidCall};
 use cannabis_protocol::*;
@@ -72,7 +72,15 @@ fn draw_in_a_network(n: usize, seed: u64, task: &TaskSpec) -> (usize, u32, f64) 
             cheapest = cheapest.min(p.0);
         }
         let policy = quote::WorkerPolicy::default();
-        if let Some(quote::Answer::Bid(b)) = quote::answer(&policy, ad, &offer, id, 0, &ctx) {
+        if let Some(quote::Answer::Bid(b)) = quote::answer(
+            &policy,
+            Some(&testkit::fee_terms()),
+            ad,
+            &offer,
+            id,
+            0,
+            &ctx,
+        ) {
             bids += 1;
             cheapest_drawn = cheapest_drawn.min(b.price.0);
         }
@@ -431,4 +439,52 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
         0,
         "a full worker does not quote"
     );
+}
+
+#[test]
+fn offers_carry_the_networks_fee_terms_and_workers_decline_others() {
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let template = || testkit::template(vec![task.clone()], WINDOW, 3_600_000);
+    // A requester whose network pins no fee terms publishes nothing.
+    let mut none = config();
+    none.fee = None;
+    let mut m = Market::new(none.clone(), identity(0), T0);
+    let err = m
+        .command(
+            T0,
+            Command::Submit {
+                template: template(),
+                nonce: [1; 16],
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, CommandError::NoFeeTerms), "{err}");
+    assert!(m.poll_output().is_none());
+    // Worker 1 pins the requester's terms, worker 2 others (no fee, to the requester's
+    // own pocket), worker 3 none.
+    let mut other = config();
+    other.fee = Some(FeeTerms {
+        rate_bps: 0,
+        recipient: testkit::keys(0).address(),
+    });
+    let nodes = vec![
+        Node::new(config(), identity(0), Some(testkit::keys(0)), T0),
+        Node::new(config(), identity(1), Some(testkit::keys(1)), T0),
+        Node::new(other, identity(2), Some(testkit::keys(2)), T0),
+        Node::new(none, identity(3), Some(testkit::keys(3)), T0),
+    ];
+    let mut net = network(nodes, |_| Machine::default());
+    let job = submit(&mut net, template(), [1; 16]);
+    net.settle(T0);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(j.offer().fee, testkit::fee_terms());
+    let t = &j.tasks()[0];
+    let bidders: Vec<Address> = t.bids().map(|c| c.bid.worker).collect();
+    assert_eq!(bidders, vec![testkit::keys(1).address()]);
+    let declines = t.declines();
+    assert_eq!(declines.len(), 2, "{declines:?}");
+    let by_2 = &declines[&testkit::keys(2).address()];
+    assert!(by_2.contains("are not the network's"), "{by_2}");
+    let by_3 = &declines[&testkit::keys(3).address()];
+    assert!(by_3.contains("pins no fee terms"), "{by_3}");
 }

@@ -45,6 +45,7 @@ pub(crate) fn config() -> MarketConfig {
             max_leases: 16,
             ..WorkerPolicy::default()
         },
+        fee: Some(testkit::fee_terms()),
         ..MarketConfig::default()
     }
 }

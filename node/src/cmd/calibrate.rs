@@ -67,6 +67,7 @@ pub(crate) fn run(dir: &Path) -> anyhow::Result<Costs> {
             keep_factor: 1,
             ..FaninConfig::default()
         },
+        fee: Some(testkit::fee_terms()),
         ..MarketConfig::default()
     };
     let mut market = Market::new(config, identity(&requester), now);

@@ -212,7 +212,10 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
     // 2-5. The market: the requester's and the worker's engines (the `Market` every node
     // runs), with every message they send signed, carried as wire bytes, decoded and
     // checked by the other.
-    let market_config = MarketConfig::default();
+    let market_config = MarketConfig {
+        fee: Some(cannabis_protocol::FeeTerms::founder(founder.address())),
+        ..MarketConfig::default()
+    };
     let mut requester_node = Node::new(
         market_config.clone(),
         Identity {
@@ -308,7 +311,6 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         deadline_ms: 3_600_000,
         review_window_ms: 86_400_000,
         acceptance: Vec::new(),
-        fee_recipient: Some(founder.address()),
         early: Some(Early::FirstBids(1)),
     };
     let submitted = requester_node

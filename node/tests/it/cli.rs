@@ -525,10 +525,21 @@ fn challenge_runs_proves_and_verifies() {
 #[test]
 fn job_submit_quotes_explains_publishes_and_reports() {
     let dir = tempfile::tempdir().unwrap();
+    // Both nodes pin the same network fee terms, as every node of a network does.
+    let network = dir.path().join("network.toml");
+    std::fs::write(
+        &network,
+        format!(
+            "[gossip.fee]\nrate_bps = 100\nrecipient = \"{}\"\n",
+            cannabis_market::testkit::fee_terms().recipient
+        ),
+    )
+    .unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
         .arg("--data-dir")
         .arg(dir.path())
-        .args(["node", "run", "--no-mdns"])
+        .args(["node", "run", "--no-mdns", "--config"])
+        .arg(&network)
         .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -545,7 +556,15 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     let mut worker = Command::new(env!("CARGO_BIN_EXE_cannabis"))
         .arg("--data-dir")
         .arg(worker_dir.path())
-        .args(["node", "run", "--no-mdns", "--bootstrap", &bootstrap])
+        .args([
+            "node",
+            "run",
+            "--no-mdns",
+            "--bootstrap",
+            &bootstrap,
+            "--config",
+        ])
+        .arg(&network)
         .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"])
         .stderr(std::process::Stdio::null())
         .spawn()

@@ -864,3 +864,45 @@ async fn a_peer_that_stops_reading_is_penalized_and_let_go() {
     b.stop().await;
     a.stop().await;
 }
+
+/// A requester whose offers name other fee terms than the network's (here the 1% goes to
+/// an address of its choosing) gets no bids: every worker declines with a signed reason
+/// that names the terms, and the job fails saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_with_other_fee_terms_than_the_networks_is_declined() {
+    use cannabis_market::job::JobState;
+
+    let dir = tempfile::tempdir().unwrap();
+    let worker = net::start(&dir.path().join("worker"), None).await;
+    let mut c = net::config(Some(&worker.addr));
+    let pocket = cannabis_market::testkit::keys(0xbad).address();
+    c.gossip.fee = Some(cannabis_protocol::FeeTerms::founder(pocket));
+    let requester = net::start_with(&dir.path().join("requester"), c).await;
+    net::wait_converged(&[&worker, &requester], 2).await;
+    let job = requester
+        .handle
+        .submit_job(crate::market::template(&crate::market::job_file(
+            "own-fee", 1, "",
+        )))
+        .await
+        .unwrap();
+    let done = crate::market::wait_state(&requester, &job.job_id, "the job to fail", |j| {
+        j.summary.state == JobState::Failed
+    })
+    .await;
+    let t = &done.tasks[0];
+    assert!(t.bids.is_empty(), "{:?}", t.bids);
+    let me = worker.handle.address().to_string();
+    let (_, why) = t
+        .declines
+        .iter()
+        .find(|(w, _)| *w == me)
+        .unwrap_or_else(|| panic!("no decline from the worker: {:?}", t.declines));
+    assert!(
+        why.contains("fee terms") && why.contains(&pocket.to_string()),
+        "{why}"
+    );
+    assert!(t.status.to_string().contains("1 declined"), "{}", t.status);
+    worker.stop().await;
+    requester.stop().await;
+}

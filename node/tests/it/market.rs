@@ -11,14 +11,14 @@ use cannabis_market::spec::JobSpec;
 
 use crate::net::{self, TestNode, wait_for};
 
-fn template(spec: &str) -> OfferTemplate {
+pub(crate) fn template(spec: &str) -> OfferTemplate {
     JobSpec::parse(spec)
         .unwrap()
         .resolve(|_| Err::<_, ()>(()))
         .unwrap()
 }
 
-fn job_file(name: &str, group: u32, extra: &str) -> String {
+pub(crate) fn job_file(name: &str, group: u32, extra: &str) -> String {
     format!(
         r#"
 name = "{name}"
@@ -39,7 +39,7 @@ storage = "16MiB"
     )
 }
 
-async fn wait_state(
+pub(crate) async fn wait_state(
     node: &TestNode,
     id: &str,
     what: &str,

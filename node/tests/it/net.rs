@@ -26,6 +26,7 @@ pub(crate) fn config(bootstrap: Option<&Multiaddr>) -> NodeConfig {
     };
     c.gossip.heartbeat_millis = 200;
     c.gossip.ip_colocation_threshold = 10_000.0;
+    c.gossip.fee = Some(cannabis_market::testkit::fee_terms());
     c.limits.max_pending_per_ip = 10_000;
     // Like a testnet's: many nodes on one loaded machine handshake slowly.
     c.limits.handshake_timeout_secs = 10;
