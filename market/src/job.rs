@@ -30,6 +30,10 @@ use cannabis_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
+mod parts;
+
+pub use parts::{Head, Part, PartsError};
+
 use crate::Refusal;
 use crate::placement::{self, Candidate, Class, Infeasible, Slot};
 
@@ -227,12 +231,14 @@ pub struct Assignment {
 pub struct Task {
     status: TaskStatus,
     /// Valid bids, newest per worker.
+    #[serde(default)]
     bids: BTreeMap<Address, Candidate>,
     /// The signatures of the bids held, by worker: with the bid, the signed message, to
     /// show as evidence if the worker signs a conflicting one.
     #[serde(default)]
     signatures: BTreeMap<Address, SignatureBytes>,
     /// Signed reasons of workers that declined.
+    #[serde(default)]
     declines: BTreeMap<Address, String>,
     /// Workers whose assignment ended without delivering; not placed again.
     excluded: BTreeSet<Address>,
@@ -362,6 +368,9 @@ pub struct Job {
     /// Conflicting signed messages of workers, kept as evidence.
     #[serde(default)]
     evidence: Vec<Equivocation>,
+    /// History lines dropped to keep it within its bound (the oldest after the first).
+    #[serde(default)]
+    history_dropped: u64,
 }
 
 /// Two different bids one worker signed for one version of an offer: either alone is a
@@ -433,6 +442,7 @@ impl Job {
             history: Vec::new(),
             cancelled: false,
             evidence: Vec::new(),
+            history_dropped: 0,
         };
         job.log(now, None, "offer published; taking bids".into());
         job
@@ -481,6 +491,7 @@ impl Job {
     fn log(&mut self, at: Timestamp, task: Option<u32>, text: String) {
         if self.history.len() == MAX_HISTORY {
             self.history.remove(1);
+            self.history_dropped += 1;
         }
         self.history.push(Event { at, task, text });
     }

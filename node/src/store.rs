@@ -7,17 +7,20 @@
 //! What is kept: the market engine's records (`cannabis_market::Record`): the signed ads and
 //! offers of the live view (re-verified when loaded), challenge passes other nodes signed
 //! for this one (by verifier), the jobs this node published with their bids, leases and
-//! epochs (JSON, by job id), the bids and leases it holds as a worker, and the sequence
+//! epochs (JSON parts under the job id: a change writes only the parts it touched, see
+//! [`cannabis_market::job::Part`]), the bids and leases it holds as a worker, and the sequence
 //! counters (so a restart never reuses a sequence number); each batch the engine asks for
 //! is one transaction. Beside them: the executor's attempt journal.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{RwLock, RwLockReadGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
 use anyhow::Context as _;
+use cannabis_market::job::{Job, Part};
 use cannabis_market::lease::AssignmentKey;
 use cannabis_market::{Record, RecordKey, RecordOp};
-use cannabis_protocol::Uuid;
+use cannabis_protocol::{Digest, Uuid};
 use redb::{Database, ReadableDatabase as _, ReadableTable as _, TableDefinition};
 
 const ADS: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("ads");
@@ -53,6 +56,7 @@ fn place(key: &RecordKey) -> Option<(Table, Vec<u8>)> {
     Some(match key {
         RecordKey::Ad(node) => (ADS, node.to_string().into_bytes()),
         RecordKey::Offer(job) => (OFFERS, job.0.to_vec()),
+        // A job is its parts: the key is the prefix of theirs (see `Store::put_job`).
         RecordKey::Job(job) => (JOBS, job.0.to_vec()),
         RecordKey::SentBid(id) => (WORKER_BIDS, id.0.to_vec()),
         RecordKey::Lease(k) => (WORKER_LEASES, assignment_key(k)),
@@ -109,6 +113,39 @@ pub struct Store {
     path: PathBuf,
     /// `None` only while it is reopened.
     db: RwLock<Option<Database>>,
+    /// The parts of each job as last committed (their key within the job's and the digest
+    /// of their bytes): a job's next write puts only the parts that differ and removes the
+    /// ones gone. The empty key stands for a job kept whole, as before parts.
+    written: Mutex<HashMap<Uuid, Written>>,
+    /// Bytes of job parts written since the store was opened (committed or not).
+    job_bytes: std::sync::atomic::AtomicU64,
+}
+
+/// A job's parts as committed: part key to the digest of its bytes.
+type Written = HashMap<Vec<u8>, Digest>;
+
+/// A job's key, then a part's.
+fn part_key(job: &Uuid, part: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(16 + part.len());
+    k.extend_from_slice(&job.0);
+    k.extend_from_slice(part);
+    k
+}
+
+/// Every stored row of a job (a part, or the whole job kept before parts).
+fn job_rows(
+    table: &impl redb::ReadableTable<&'static [u8], &'static [u8]>,
+    job: &Uuid,
+) -> anyhow::Result<Vec<Vec<u8>>> {
+    let mut keys = Vec::new();
+    for row in table.range(job.0.as_slice()..)? {
+        let (k, _) = row?;
+        if !k.value().starts_with(&job.0) {
+            break;
+        }
+        keys.push(k.value().to_vec());
+    }
+    Ok(keys)
 }
 
 /// The open database, for one operation.
@@ -141,6 +178,8 @@ impl Store {
         Ok(Self {
             db: RwLock::new(Some(create(path)?)),
             path: path.to_path_buf(),
+            written: Mutex::new(HashMap::new()),
+            job_bytes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -186,6 +225,9 @@ impl Store {
             txn.set_durability(redb::Durability::None)
                 .context("writing gossip without a sync")?;
         }
+        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        // What the jobs' parts will be once this commits (`None`: the job is gone).
+        let mut now_written: Vec<(Uuid, Option<Written>)> = Vec::new();
         {
             let mut counters = txn.open_table(COUNTERS)?;
             for op in ops {
@@ -195,6 +237,27 @@ impl Store {
                     }
                     RecordOp::Delete(RecordKey::Counter(name)) => {
                         counters.remove(name.as_str())?;
+                    }
+                    RecordOp::Put(Record::Job(job)) => {
+                        let mut table = txn.open_table(JOBS)?;
+                        let id = job.id();
+                        let before = now_written
+                            .iter()
+                            .rev()
+                            .find(|(j, _)| *j == id)
+                            .map(|(_, w)| w.as_ref())
+                            .unwrap_or_else(|| written.get(&id));
+                        let (parts, bytes) = put_job(&mut table, job, before)?;
+                        self.job_bytes
+                            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                        now_written.push((id, Some(parts)));
+                    }
+                    RecordOp::Delete(RecordKey::Job(id)) => {
+                        let mut table = txn.open_table(JOBS)?;
+                        for key in job_rows(&table, id)? {
+                            table.remove(key.as_slice())?;
+                        }
+                        now_written.push((*id, None));
                     }
                     RecordOp::Put(record) => {
                         if let Some((table, key)) = place(&record.key()) {
@@ -212,7 +275,18 @@ impl Store {
             }
         }
         txn.commit()?;
+        for (id, parts) in now_written {
+            match parts {
+                Some(p) => written.insert(id, p),
+                None => written.remove(&id),
+            };
+        }
         Ok(())
+    }
+
+    /// Bytes of job parts written since the store was opened.
+    pub fn job_bytes_written(&self) -> u64 {
+        self.job_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every market record kept. Values that no longer decode are named in the log and
@@ -251,11 +325,6 @@ impl Store {
                 received_us,
             })
         })?;
-        rows(JOBS, &mut |_, v| {
-            serde_json::from_slice(v)
-                .ok()
-                .map(|j| Record::Job(Box::new(j)))
-        })?;
         rows(WORKER_BIDS, &mut |k, v| {
             Some(Record::SentBid(
                 Digest(k.try_into().ok()?),
@@ -274,6 +343,14 @@ impl Store {
                 signed: Signed::from_bytes(v).ok()?,
             })
         })?;
+        let (jobs, bad_jobs) = load_jobs(&txn.open_table(JOBS)?)?;
+        skipped += bad_jobs;
+        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        written.clear();
+        for (job, parts) in jobs {
+            written.insert(job.id(), parts);
+            out.push(Record::Job(Box::new(job)));
+        }
         let counters = txn.open_table(COUNTERS)?;
         for row in counters.iter()? {
             let (k, v) = row?;
@@ -330,6 +407,92 @@ impl Store {
     }
 }
 
+/// Writes the parts of `job` that differ from what was written before (`before`), removes
+/// those gone, and says what is written now and how many bytes it wrote.
+fn put_job(
+    table: &mut redb::Table<'_, &'static [u8], &'static [u8]>,
+    job: &Job,
+    before: Option<&Written>,
+) -> anyhow::Result<(Written, u64)> {
+    let id = job.id();
+    let mut now = HashMap::new();
+    let mut wrote = 0u64;
+    for part in job.parts() {
+        let key = part.key();
+        let bytes = serde_json::to_vec(&part)?;
+        let digest = Digest::of(&bytes);
+        if before.and_then(|b| b.get(&key)) != Some(&digest) {
+            table.insert(part_key(&id, &key).as_slice(), bytes.as_slice())?;
+            wrote += bytes.len() as u64;
+        }
+        now.insert(key, digest);
+    }
+    match before {
+        Some(b) => {
+            for gone in b.keys().filter(|k| !now.contains_key(*k)) {
+                table.remove(part_key(&id, gone).as_slice())?;
+            }
+        }
+        // Not known to have been written (a new job, or one after a failed batch): any
+        // other row under its id is stale.
+        None => {
+            for key in job_rows(table, &id)? {
+                if !now.contains_key(&key[16..]) {
+                    table.remove(key.as_slice())?;
+                }
+            }
+        }
+    }
+    Ok((now, wrote))
+}
+
+/// The jobs kept, each with its parts as written, and how many rows or jobs did not
+/// decode. A job kept whole (before parts) loads as it was; its next write replaces it by
+/// parts.
+fn load_jobs(
+    table: &impl redb::ReadableTable<&'static [u8], &'static [u8]>,
+) -> anyhow::Result<(Vec<(Job, Written)>, usize)> {
+    let mut by_job: std::collections::BTreeMap<[u8; 16], (Vec<Part>, Option<Job>, Written)> =
+        std::collections::BTreeMap::new();
+    let mut skipped = 0;
+    for row in table.iter()? {
+        let (k, v) = row?;
+        let (k, v) = (k.value(), v.value());
+        let Some((id, part)) = k.split_first_chunk::<16>() else {
+            skipped += 1;
+            continue;
+        };
+        let entry = by_job.entry(*id).or_default();
+        entry.2.insert(part.to_vec(), Digest::of(v));
+        if part.is_empty() {
+            match serde_json::from_slice::<Job>(v) {
+                Ok(j) => entry.1 = Some(j),
+                Err(_) => skipped += 1,
+            }
+        } else {
+            match serde_json::from_slice::<Part>(v) {
+                Ok(p) => entry.0.push(p),
+                Err(_) => skipped += 1,
+            }
+        }
+    }
+    let mut jobs = Vec::with_capacity(by_job.len());
+    for (id, (parts, whole, written)) in by_job {
+        let job = match whole {
+            Some(j) if parts.is_empty() => Ok(j),
+            _ => Job::from_parts(parts),
+        };
+        match job {
+            Ok(j) => jobs.push((j, written)),
+            Err(e) => {
+                tracing::warn!(job = %Uuid(id), error = %e, "a kept job does not load");
+                skipped += 1;
+            }
+        }
+    }
+    Ok((jobs, skipped))
+}
+
 impl Records {
     fn table(self) -> Table {
         match self {
@@ -358,6 +521,7 @@ impl cannabis_runtime::exec::Journal for Store {
 mod tests {
     use super::*;
     use cannabis_protocol::{Keypair, Signed, Timestamp};
+    use redb::ReadableTableMetadata as _;
 
     #[test]
     fn records_survive_reopening_and_deletes_are_applied() {
@@ -410,5 +574,148 @@ mod tests {
         )
         .unwrap();
         assert!(s.load_records().unwrap().is_empty());
+    }
+
+    /// A job with 1,000 declines (the most reasons a record gathers is bounded only by the
+    /// workers an offer draws): one more decline writes its own part, the head and a history
+    /// line (about 1 KB), not the whole job again (about 600 KB, as it did before), after a
+    /// restart too; what loads is the job as it was; a deleted job leaves no row.
+    #[test]
+    fn a_change_to_a_job_writes_only_the_parts_it_touched() {
+        use cannabis_market::job::{Bidding, LeaseConfig};
+        use cannabis_market::testkit;
+        use cannabis_protocol::{Decline, message_id};
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.redb");
+        let t = Timestamp(1_000_000);
+        let me = testkit::keys(1).address();
+        let offer = testkit::offer(
+            me,
+            1,
+            vec![testkit::task("t", 1, 0, 0, 1, 1_000)],
+            t,
+            60_000,
+            3_600_000,
+        );
+        let offer_id = message_id(&offer);
+        let mut job = Job::new(
+            offer.clone(),
+            offer_id,
+            "job".into(),
+            LeaseConfig::default(),
+            Bidding::default(),
+            t,
+        );
+        let decline = |i: u64| Decline {
+            job_id: offer.job_id,
+            task: 0,
+            offer: offer_id,
+            worker: testkit::keys(100 + i).address(),
+            reason: "no ".repeat(60),
+            issued_at: t,
+        };
+        for i in 0..1_000 {
+            job.on_decline(decline(i), t).unwrap();
+        }
+        let put = |s: &Store, j: &Job| {
+            s.apply(&[RecordOp::Put(Record::Job(Box::new(j.clone())))], &me)
+                .unwrap()
+        };
+        let json = |j: &Job| serde_json::to_string(j).unwrap();
+        let s = Store::open(&path).unwrap();
+        put(&s, &job);
+        let whole = s.job_bytes_written();
+        assert!(whole > 300_000, "{whole}");
+        job.on_decline(decline(1_000), t).unwrap();
+        put(&s, &job);
+        let change = s.job_bytes_written() - whole;
+        assert!(change < 4_096, "one decline wrote {change} bytes");
+        // The same job again writes nothing.
+        put(&s, &job);
+        assert_eq!(s.job_bytes_written() - whole, change);
+        drop(s);
+
+        let s = Store::open(&path).unwrap();
+        let loaded = s.load_records().unwrap();
+        let [Record::Job(back)] = loaded.as_slice() else {
+            panic!("{loaded:?}")
+        };
+        assert_eq!(json(back), json(&job));
+        assert_eq!(back.history().len(), 1_000, "the history keeps its bound");
+        job.on_decline(decline(1_001), t).unwrap();
+        put(&s, &job);
+        assert!(s.job_bytes_written() < 4_096, "{}", s.job_bytes_written());
+        let loaded = s.load_records().unwrap();
+        let [Record::Job(back)] = loaded.as_slice() else {
+            panic!("{loaded:?}")
+        };
+        assert_eq!(json(back), json(&job));
+        s.apply(&[RecordOp::Delete(RecordKey::Job(job.id()))], &me)
+            .unwrap();
+        assert!(s.load_records().unwrap().is_empty());
+        assert!(
+            s.db()
+                .unwrap()
+                .begin_read()
+                .unwrap()
+                .open_table(JOBS)
+                .unwrap()
+                .is_empty()
+                .unwrap()
+        );
+    }
+
+    /// A job kept whole, as nodes did before parts, loads as it was, and its next write
+    /// replaces it by parts.
+    #[test]
+    fn a_job_kept_whole_loads_and_is_then_kept_in_parts() {
+        use cannabis_market::job::{Bidding, LeaseConfig};
+        use cannabis_market::testkit;
+        use cannabis_protocol::message_id;
+
+        let dir = tempfile::tempdir().unwrap();
+        let t = Timestamp(1_000_000);
+        let me = testkit::keys(1).address();
+        let offer = testkit::offer(
+            me,
+            1,
+            vec![testkit::task("t", 1, 0, 0, 1, 1_000)],
+            t,
+            60_000,
+            3_600_000,
+        );
+        let job = Job::new(
+            offer.clone(),
+            message_id(&offer),
+            "job".into(),
+            LeaseConfig::default(),
+            Bidding::default(),
+            t,
+        );
+        let s = Store::open(&dir.path().join("node.redb")).unwrap();
+        {
+            let txn = s.db().unwrap().begin_write().unwrap();
+            txn.open_table(JOBS)
+                .unwrap()
+                .insert(
+                    job.id().0.as_slice(),
+                    serde_json::to_vec(&job).unwrap().as_slice(),
+                )
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let loaded = s.load_records().unwrap();
+        assert!(matches!(loaded.as_slice(), [Record::Job(j)] if j.id() == job.id()));
+        s.apply(&[RecordOp::Put(Record::Job(Box::new(job.clone())))], &me)
+            .unwrap();
+        let txn = s.db().unwrap().begin_read().unwrap();
+        let table = txn.open_table(JOBS).unwrap();
+        let keys: Vec<usize> = table
+            .iter()
+            .unwrap()
+            .map(|r| r.unwrap().0.value().len())
+            .collect();
+        assert!(!keys.is_empty() && keys.iter().all(|&k| k > 16), "{keys:?}");
     }
 }
