@@ -113,8 +113,6 @@ pub enum Origin {
 pub struct Heard<T> {
     /// Where it came from.
     pub origin: Origin,
-    /// The gossip author, when known.
-    pub source: Option<Address>,
     /// When it was received, µs since the epoch.
     pub received_us: u64,
     /// The message.
@@ -564,6 +562,15 @@ pub enum CommandError {
     /// The state machine refused.
     #[error(transparent)]
     Refused(#[from] Refusal),
+    /// This node has published as many offers as every node takes from one requester in
+    /// this time: another now would be dropped by them all.
+    #[error(
+        "this node is past the rate at which nodes take one requester's offers \
+         ({} at once, then {} a minute): wait and publish again",
+        .0.burst,
+        .0.per_minute
+    )]
+    OverRate(crate::rate::Rate),
     /// The network's fee terms are not configured, and an offer must carry them.
     #[error(
         "this node's network pins no fee terms: set the fee rate and recipient \
@@ -675,7 +682,7 @@ impl Market {
                     let kept = signed.open().ok().is_some_and(|item| {
                         item.body.node == node
                             && matches!(
-                                m.view.on_ad(Arc::new(item), None, now, received_us),
+                                m.view.on_ad(Arc::new(item), now, received_us),
                                 Verdict::Accept(_)
                             )
                     });
@@ -691,7 +698,7 @@ impl Market {
                     let kept = signed.open().ok().is_some_and(|item| {
                         item.body.job_id == job
                             && matches!(
-                                m.view.on_offer(Arc::new(item), None, now, received_us),
+                                m.view.on_offer(Arc::new(item), now, received_us),
                                 Verdict::Accept(_)
                             )
                     });
@@ -780,12 +787,7 @@ impl Market {
             Command::PublishOffer { template, nonce } => self.submit(template, nonce, false),
             Command::KeepOwnAd(item, received_us) => {
                 let id = item.id;
-                match self.view.on_ad(
-                    Arc::new(item),
-                    Some(&self.me.address.clone()),
-                    self.now,
-                    received_us,
-                ) {
+                match self.view.on_ad(Arc::new(item), self.now, received_us) {
                     Verdict::Accept(_) => {
                         self.out.dirty(RecordKey::Ad(self.me.address));
                         Ok(CommandOk::Kept(id))
@@ -795,12 +797,7 @@ impl Market {
             }
             Command::KeepOwnOffer(item, received_us) => {
                 let (id, job) = (item.id, item.body.job_id);
-                match self.view.on_offer(
-                    Arc::new(item),
-                    Some(&self.me.address.clone()),
-                    self.now,
-                    received_us,
-                ) {
+                match self.view.on_offer(Arc::new(item), self.now, received_us) {
                     Verdict::Accept(_) => {
                         self.forget_evicted();
                         self.out.dirty(RecordKey::Offer(job));
@@ -943,12 +940,7 @@ impl Market {
 
     fn on_ad(&mut self, heard: Heard<CapabilityAd>) {
         let node = heard.item.body.node;
-        let verdict = self.view.on_ad(
-            heard.item,
-            heard.source.as_ref(),
-            self.now,
-            heard.received_us,
-        );
+        let verdict = self.view.on_ad(heard.item, self.now, heard.received_us);
         if matches!(verdict, Verdict::Accept(_)) {
             self.out.dirty(RecordKey::Ad(node));
         }
@@ -958,12 +950,7 @@ impl Market {
     fn on_offer(&mut self, heard: Heard<JobOffer>) {
         let job = heard.item.body.job_id;
         let item = heard.item.clone();
-        let verdict = self.view.on_offer(
-            heard.item,
-            heard.source.as_ref(),
-            self.now,
-            heard.received_us,
-        );
+        let verdict = self.view.on_offer(heard.item, self.now, heard.received_us);
         let accepted = matches!(verdict, Verdict::Accept(_));
         self.validate(heard.origin, verdict);
         if accepted {

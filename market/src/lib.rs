@@ -9,7 +9,7 @@
 //!   ordered outputs out, durable before sent.
 //! - [`View`]: the live market a node sees, fed with gossip. It decides for each message
 //!   whether to accept (and forward), ignore, or reject (and penalize the sender): size cap,
-//!   signature, author, source, expiry, replay and staleness.
+//!   signature, author, expiry, replay, staleness and each signer's rate.
 //! - [`matching`]: an offer's task against capability ads, both the verdict and the
 //!   explanation (which requirement excluded how many ads).
 //! - [`quote`]: a worker's owner policy and price against an offer: bid, decline or stay
@@ -29,7 +29,7 @@
 //! let mut view = View::new(ViewConfig::default(), Signatures::Check);
 //! // Garbage from the network does not even decode: rejected, so the sender's score drops.
 //! let verdict = match decode_gossip::<CapabilityAd>(b"not a signed ad") {
-//!     Ok(ad) => view.on_ad(Arc::new(ad), None, Timestamp(1_000), 1_000_000),
+//!     Ok(ad) => view.on_ad(Arc::new(ad), Timestamp(1_000), 1_000_000),
 //!     Err(why) => Verdict::Reject(why),
 //! };
 //! assert!(matches!(verdict, Verdict::Reject(RejectReason::Decode(_))));

@@ -116,14 +116,6 @@ pub enum RejectReason {
     /// Signature, author or rule check failed.
     #[error("unverifiable: {0}")]
     Verify(#[from] OpenError),
-    /// It was relayed as published by a peer other than its signer.
-    #[error("published by {source_addr}, signed by {signer}")]
-    NotFromSigner {
-        /// The gossip source.
-        source_addr: Address,
-        /// The signer.
-        signer: Address,
-    },
     /// It had expired.
     #[error("expired at {expired_at}")]
     Expired {
@@ -305,25 +297,15 @@ impl View {
         std::mem::take(&mut self.evicted)
     }
 
-    /// The cheap checks every gossiped message must pass, in order: source, expiry,
+    /// The cheap checks every gossiped message must pass, in order: expiry,
     /// duplicate, issue time, lifetime. The signature comes last, in [`View::admit`].
     fn precheck(
         &self,
-        signer: &Address,
         id: &Digest,
-        source: Option<&Address>,
         now: Timestamp,
         (issued_at, expires_at): (Timestamp, Timestamp),
         ttl_ms: u64,
     ) -> Result<(), Verdict> {
-        if let Some(source) = source
-            && source != signer
-        {
-            return Err(Verdict::Reject(RejectReason::NotFromSigner {
-                source_addr: *source,
-                signer: *signer,
-            }));
-        }
         if expires_at <= now {
             return Err(Verdict::Reject(RejectReason::Expired {
                 expired_at: expires_at,
@@ -346,19 +328,17 @@ impl View {
         self.seen_expiries.insert((expires_at, id));
     }
 
-    /// A gossiped capability ad. `source` is the gossip author's address, when known.
+    /// A gossiped capability ad (from anyone: a signed message is its signer's word,
+    /// whoever relays it).
     pub fn on_ad(
         &mut self,
         item: Arc<Received<CapabilityAd>>,
-        source: Option<&Address>,
         now: Timestamp,
         received_at_us: u64,
     ) -> Verdict {
         let ad = &item.body;
         if let Err(v) = self.precheck(
-            &item.signer,
             &item.id,
-            source,
             now,
             (ad.issued_at, ad.expires_at),
             self.config.max_ad_ttl_ms,
@@ -397,19 +377,23 @@ impl View {
         Verdict::Accept(id)
     }
 
-    /// A gossiped job offer. `source` is the gossip author's address, when known.
+    /// Whether `signer`'s rate of offers allows one more now (every node holds each signer
+    /// to it: an offer past it is dropped by them all).
+    pub fn offer_rate_allows(&self, signer: &Address, now: Timestamp) -> bool {
+        self.offer_limiter
+            .allows(self.config.offer_rate, signer, now)
+    }
+
+    /// A gossiped job offer (from anyone, like an ad).
     pub fn on_offer(
         &mut self,
         item: Arc<Received<JobOffer>>,
-        source: Option<&Address>,
         now: Timestamp,
         received_at_us: u64,
     ) -> Verdict {
         let offer = &item.body;
         if let Err(v) = self.precheck(
-            &item.signer,
             &item.id,
-            source,
             now,
             (offer.issued_at, offer.expires_at),
             self.config.max_offer_ttl_ms,
@@ -684,15 +668,9 @@ mod tests {
 
     const NOW: Timestamp = Timestamp(1_000_000);
 
-    fn feed(
-        v: &mut View,
-        bytes: &[u8],
-        source: Option<&Address>,
-        now: Timestamp,
-        us: u64,
-    ) -> Verdict {
+    fn feed(v: &mut View, bytes: &[u8], now: Timestamp, us: u64) -> Verdict {
         match decode_gossip::<CapabilityAd>(bytes) {
-            Ok(item) => v.on_ad(Arc::new(item), source, now, us),
+            Ok(item) => v.on_ad(Arc::new(item), now, us),
             Err(why) => Verdict::Reject(why),
         }
     }
@@ -710,33 +688,27 @@ mod tests {
         };
         // Expired with a bad signature: dropped as expired, no signature check spent.
         assert!(matches!(
-            feed(&mut v, &tamper(ad(&k, 1, 900_000, 1_000_000)), None, NOW, 0),
+            feed(&mut v, &tamper(ad(&k, 1, 900_000, 1_000_000)), NOW, 0),
             Verdict::Reject(RejectReason::Expired { .. })
         ));
         // A fresh one with a bad signature fails the check.
         assert!(matches!(
-            feed(&mut v, &tamper(ad(&k, 1, 999_000, 1_060_000)), None, NOW, 0),
+            feed(&mut v, &tamper(ad(&k, 1, 999_000, 1_060_000)), NOW, 0),
             Verdict::Reject(RejectReason::Verify(_))
         ));
         // Once the good one is held, a stale copy with a bad signature is only stale.
         assert!(matches!(
-            feed(&mut v, &ad(&k, 2, 999_000, 1_060_000), None, NOW, 0),
+            feed(&mut v, &ad(&k, 2, 999_000, 1_060_000), NOW, 0),
             Verdict::Accept(_)
         ));
         assert_eq!(
-            feed(&mut v, &tamper(ad(&k, 1, 999_000, 1_060_000)), None, NOW, 0),
+            feed(&mut v, &tamper(ad(&k, 1, 999_000, 1_060_000)), NOW, 0),
             Verdict::Ignore(IgnoreReason::Stale { held: 2 })
         );
         // Assumed signatures (simulations) take the tampered one.
         let mut sim = View::new(ViewConfig::default(), Signatures::Assume);
         assert!(matches!(
-            feed(
-                &mut sim,
-                &tamper(ad(&k, 1, 999_000, 1_060_000)),
-                None,
-                NOW,
-                0
-            ),
+            feed(&mut sim, &tamper(ad(&k, 1, 999_000, 1_060_000)), NOW, 0),
             Verdict::Accept(_)
         ));
     }
@@ -746,24 +718,18 @@ mod tests {
         let mut v = View::new(ViewConfig::default(), Signatures::Check);
         let k = keys(1);
         let a2 = ad(&k, 2, 999_000, 1_060_000);
-        assert!(matches!(
-            feed(&mut v, &a2, Some(&k.address()), NOW, 0),
-            Verdict::Accept(_)
-        ));
+        assert!(matches!(feed(&mut v, &a2, NOW, 0), Verdict::Accept(_)));
         assert_eq!(
-            feed(&mut v, &a2, Some(&k.address()), NOW, 0),
+            feed(&mut v, &a2, NOW, 0),
             Verdict::Ignore(IgnoreReason::Duplicate)
         );
         let a1 = ad(&k, 1, 999_000, 1_060_000);
         assert_eq!(
-            feed(&mut v, &a1, None, NOW, 0),
+            feed(&mut v, &a1, NOW, 0),
             Verdict::Ignore(IgnoreReason::Stale { held: 2 })
         );
         let a3 = ad(&k, 3, 999_500, 1_070_000);
-        assert!(matches!(
-            feed(&mut v, &a3, None, NOW, 0),
-            Verdict::Accept(_)
-        ));
+        assert!(matches!(feed(&mut v, &a3, NOW, 0), Verdict::Accept(_)));
         assert_eq!(v.ads().count(), 1);
         assert_eq!(v.ad(&k.address()).unwrap().ad().seq, 3);
     }
@@ -773,41 +739,30 @@ mod tests {
         let mut v = View::new(ViewConfig::default(), Signatures::Check);
         let k = keys(1);
         assert!(matches!(
-            feed(&mut v, b"\x82\x01\xa0", None, NOW, 0),
+            feed(&mut v, b"\x82\x01\xa0", NOW, 0),
             Verdict::Reject(RejectReason::Decode(_))
         ));
         // Expired.
         assert!(matches!(
-            feed(&mut v, &ad(&k, 1, 900_000, 1_000_000), None, NOW, 0),
+            feed(&mut v, &ad(&k, 1, 900_000, 1_000_000), NOW, 0),
             Verdict::Reject(RejectReason::Expired { .. })
         ));
         // From the future.
         assert!(matches!(
-            feed(&mut v, &ad(&k, 1, 1_200_001, 1_300_000), None, NOW, 0),
+            feed(&mut v, &ad(&k, 1, 1_200_001, 1_300_000), NOW, 0),
             Verdict::Reject(RejectReason::FromTheFuture { .. })
         ));
         // Lives too long.
         assert!(matches!(
-            feed(&mut v, &ad(&k, 1, 999_000, NOW.0 + 3_600_001), None, NOW, 0),
+            feed(&mut v, &ad(&k, 1, 999_000, NOW.0 + 3_600_001), NOW, 0),
             Verdict::Reject(RejectReason::TooLongLived { .. })
-        ));
-        // Relayed as published by someone else.
-        assert!(matches!(
-            feed(
-                &mut v,
-                &ad(&k, 1, 999_000, 1_060_000),
-                Some(&keys(2).address()),
-                NOW,
-                0
-            ),
-            Verdict::Reject(RejectReason::NotFromSigner { .. })
         ));
         // Tampered.
         let mut t = ad(&k, 1, 999_000, 1_060_000);
         let last = t.len() - 1;
         t[last] ^= 1;
         assert!(matches!(
-            feed(&mut v, &t, None, NOW, 0),
+            feed(&mut v, &t, NOW, 0),
             Verdict::Reject(RejectReason::Verify(_))
         ));
         assert_eq!(v.ads().count(), 0);
@@ -818,14 +773,14 @@ mod tests {
         let mut v = View::new(ViewConfig::default(), Signatures::Check);
         let k = keys(1);
         let a = ad(&k, 1, 999_000, 1_010_000);
-        assert!(matches!(feed(&mut v, &a, None, NOW, 0), Verdict::Accept(_)));
+        assert!(matches!(feed(&mut v, &a, NOW, 0), Verdict::Accept(_)));
         assert_eq!(v.poll_timeout(), Some(Timestamp(1_010_000)));
         assert_eq!(v.expire(Timestamp(1_009_999)), Expired::default());
         assert_eq!(v.expire(Timestamp(1_010_000)).ads, vec![k.address()]);
         assert_eq!(v.ads().count(), 0);
         assert_eq!(v.poll_timeout(), None);
         assert!(matches!(
-            feed(&mut v, &a, None, Timestamp(1_010_001), 0),
+            feed(&mut v, &a, Timestamp(1_010_001), 0),
             Verdict::Reject(RejectReason::Expired { .. })
         ));
     }
@@ -840,16 +795,16 @@ mod tests {
             Signatures::Check,
         );
         assert!(matches!(
-            feed(&mut v, &ad(&keys(1), 1, 999_000, 1_060_000), None, NOW, 0),
+            feed(&mut v, &ad(&keys(1), 1, 999_000, 1_060_000), NOW, 0),
             Verdict::Accept(_)
         ));
         assert_eq!(
-            feed(&mut v, &ad(&keys(2), 1, 999_000, 1_060_000), None, NOW, 0),
+            feed(&mut v, &ad(&keys(2), 1, 999_000, 1_060_000), NOW, 0),
             Verdict::Ignore(IgnoreReason::Full)
         );
         // An update of a held node still goes in.
         assert!(matches!(
-            feed(&mut v, &ad(&keys(1), 2, 999_000, 1_060_000), None, NOW, 0),
+            feed(&mut v, &ad(&keys(1), 2, 999_000, 1_060_000), NOW, 0),
             Verdict::Accept(_)
         ));
     }
@@ -888,32 +843,27 @@ mod tests {
         let (a, b) = (keys(1), keys(2));
         for job in 1..=3 {
             assert!(matches!(
-                v.on_offer(offer_item(&a, job, 1, 1, 60_000), None, NOW, 0),
+                v.on_offer(offer_item(&a, job, 1, 1, 60_000), NOW, 0),
                 Verdict::Accept(_)
             ));
         }
         assert_eq!(
-            v.on_offer(offer_item(&a, 4, 1, 1, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&a, 4, 1, 1, 60_000), NOW, 0),
             Verdict::Ignore(IgnoreReason::SignerFull { held: 3 })
         );
         // A new version of one it holds is no new offer; another signer is not affected.
         assert!(matches!(
-            v.on_offer(offer_item(&a, 1, 2, 1, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&a, 1, 2, 1, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         assert!(matches!(
-            v.on_offer(offer_item(&b, 9, 1, 1, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&b, 9, 1, 1, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         // When one expires, there is room again.
         v.expire(NOW.plus_ms(60_000));
         assert!(matches!(
-            v.on_offer(
-                offer_item(&a, 5, 1, 1, 120_000),
-                None,
-                NOW.plus_ms(60_000),
-                0
-            ),
+            v.on_offer(offer_item(&a, 5, 1, 1, 120_000), NOW.plus_ms(60_000), 0),
             Verdict::Accept(_)
         ));
     }
@@ -941,31 +891,31 @@ mod tests {
         };
         for _ in 0..5 {
             assert!(matches!(
-                v.on_offer(forged.clone(), None, NOW, 0),
+                v.on_offer(forged.clone(), NOW, 0),
                 Verdict::Reject(RejectReason::Verify(_))
             ));
         }
         assert!(matches!(
-            v.on_offer(offer_item(&a, 1, 1, 1, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&a, 1, 1, 1, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         assert!(matches!(
-            v.on_offer(offer_item(&a, 1, 2, 1, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&a, 1, 2, 1, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         // Updates as fast as it likes: the third at once is dropped, unforwarded.
         assert_eq!(
-            v.on_offer(offer_item(&a, 1, 3, 1, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&a, 1, 3, 1, 60_000), NOW, 0),
             Verdict::Ignore(IgnoreReason::RateLimited)
         );
         // A second later the bucket holds one more.
         let later = NOW.plus_ms(1_000);
         assert!(matches!(
-            v.on_offer(offer_item(&a, 1, 3, 1, 60_000), None, later, 0),
+            v.on_offer(offer_item(&a, 1, 3, 1, 60_000), later, 0),
             Verdict::Accept(_)
         ));
         assert_eq!(
-            v.on_offer(offer_item(&a, 1, 4, 1, 60_000), None, later, 0),
+            v.on_offer(offer_item(&a, 1, 4, 1, 60_000), later, 0),
             Verdict::Ignore(IgnoreReason::RateLimited)
         );
         // A full bucket is forgotten: nothing is kept per signer once it would be full.
@@ -988,7 +938,7 @@ mod tests {
         o.deadline = Timestamp(u64::MAX);
         let item = Arc::new(Signed::sign(&a, &o).open().unwrap());
         assert!(matches!(
-            v.on_offer(item, None, NOW, 0),
+            v.on_offer(item, NOW, 0),
             Verdict::Reject(RejectReason::DeadlineTooFar { .. })
         ));
     }
@@ -1009,18 +959,18 @@ mod tests {
         for job in 1..=10 {
             let ttl = 60_000 + job * 1_000;
             assert!(matches!(
-                v.on_offer(offer_item(&flood, job, 1, 200, ttl), None, NOW, 0),
+                v.on_offer(offer_item(&flood, job, 1, 200, ttl), NOW, 0),
                 Verdict::Accept(_)
             ));
         }
         // It cannot add more: it is the largest holder itself.
         assert_eq!(
-            v.on_offer(offer_item(&flood, 11, 1, 200, 90_000), None, NOW, 0),
+            v.on_offer(offer_item(&flood, 11, 1, 200, 90_000), NOW, 0),
             Verdict::Ignore(IgnoreReason::Full)
         );
         // An honest requester's offer gets in, pushing out the flood's soonest to expire.
         assert!(matches!(
-            v.on_offer(offer_item(&honest, 100, 1, 200, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&honest, 100, 1, 200, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         assert_eq!(v.take_evicted().len(), 1);
@@ -1035,16 +985,16 @@ mod tests {
         assert_eq!(v.offer_count(), 10);
         // Two more honest ones, from another key: still the flood pays.
         assert!(matches!(
-            v.on_offer(offer_item(&other, 200, 1, 200, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&other, 200, 1, 200, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         assert!(matches!(
-            v.on_offer(offer_item(&honest, 101, 1, 200, 60_000), None, NOW, 0),
+            v.on_offer(offer_item(&honest, 101, 1, 200, 60_000), NOW, 0),
             Verdict::Accept(_)
         ));
         // Now the flood (7 offers) tries again: the honest (2) and other (1) stay.
         assert_eq!(
-            v.on_offer(offer_item(&flood, 12, 1, 200, 90_000), None, NOW, 0),
+            v.on_offer(offer_item(&flood, 12, 1, 200, 90_000), NOW, 0),
             Verdict::Ignore(IgnoreReason::Full)
         );
         let held = |k: &Keypair| {

@@ -295,6 +295,26 @@ pub(crate) enum TestnetCommand {
         #[arg(long, default_value = ".testnet")]
         dir: PathBuf,
     },
+    /// Attack a local testnet's nodes as one hostile party would, several attacks at once,
+    /// for a while: an offer flood from one key, garbage and forged gossip, sync pages and
+    /// greedy challenges without end, idle sockets. Loopback targets only.
+    Attack {
+        /// Nodes to attack (`/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID`); default: every node of
+        /// the testnet in --dir.
+        #[arg(long = "target", value_name = "MULTIADDR")]
+        targets: Vec<libp2p::Multiaddr>,
+        /// Directory of the testnet to attack.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+        /// How long to attack, in seconds.
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
+        /// Which attacks (comma-separated); default: all of them.
+        #[arg(long, value_enum, value_delimiter = ',')]
+        only: Vec<crate::cmd::AttackKind>,
+        #[command(flatten)]
+        format: Format,
+    },
     /// Measure offer propagation, the request-response baseline and idle memory.
     Bench {
         /// Number of nodes.
@@ -309,6 +329,13 @@ pub(crate) enum TestnetCommand {
         /// Directory of the testnet's data (emptied first).
         #[arg(long, default_value = ".testnet-bench")]
         dir: PathBuf,
+        /// Then publish the offers again while `testnet attack` runs against every node,
+        /// and compare propagation and memory with the calm run.
+        #[arg(long)]
+        hostile: bool,
+        /// With --hostile: which attacks (comma-separated); default: all of them.
+        #[arg(long, value_enum, value_delimiter = ',', requires = "hostile")]
+        only: Vec<crate::cmd::AttackKind>,
         #[command(flatten)]
         format: Format,
     },

@@ -7,6 +7,9 @@ use anyhow::Context as _;
 
 use crate::cli::{Cli, Command};
 
+mod attack;
+
+pub(crate) use attack::Kind as AttackKind;
 mod calibrate;
 mod demo;
 mod exec;

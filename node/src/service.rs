@@ -228,6 +228,8 @@ pub(crate) struct Node {
     blocks: gossip::Blocks,
     /// Sync pages served per peer (the allowance).
     served: cannabis_market::rate::Limiter<PeerId>,
+    /// Messages each peer sent past their signer's rate (the slack honest relays get).
+    over_rate: cannabis_market::rate::Limiter<PeerId>,
     /// Why the node is in read-only safe mode (a write to its store failed), if it is.
     safe_mode: Option<String>,
 }
@@ -337,6 +339,7 @@ pub async fn start(
         answered: challenge::Answered::default(),
         blocks: gossip::Blocks::default(),
         served: cannabis_market::rate::Limiter::default(),
+        over_rate: cannabis_market::rate::Limiter::default(),
         safe_mode: None,
     };
     node.drain();
@@ -486,6 +489,7 @@ impl Node {
                     }
                     self.try_recover();
                     self.served.expire(now().0);
+                    self.over_rate.expire(now().0);
                     if self.connections.is_empty() && !self.config.bootstrap.is_empty() {
                         // Alone (the first dials failed, or every peer went): try the
                         // bootstrap peers again rather than wait for Kademlia's next round.

@@ -23,6 +23,32 @@ pub struct BenchOptions {
     pub interval: Duration,
     /// Request-response round trips for the baseline.
     pub pings: u32,
+    /// Then publish the offers again while `cannabis testnet attack` runs against every
+    /// node, and compare: the attacks to run (empty: all of them), or `None` for no attack.
+    pub hostile: Option<Vec<String>>,
+}
+
+/// The same offers published while an attacker runs against every node.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostileReport {
+    /// Publish-to-receipt time under attack, µs.
+    pub propagation_us: Summary,
+    /// Receipts expected and seen under attack.
+    pub receipts_expected: usize,
+    /// Receipts seen within the wait.
+    pub receipts_seen: usize,
+    /// p99 under attack over p99 without it (the same run).
+    pub p99_ratio: f64,
+    /// Largest resident memory of a node before the attack, KiB.
+    pub rss_kib_max_before: u64,
+    /// Largest resident memory of a node at the end of the attack, KiB.
+    pub rss_kib_max_during: u64,
+    /// Most of the flood's offers one node held.
+    pub flood_offers_held_max: usize,
+    /// Nodes still holding every node's ad after the attack.
+    pub nodes_holding_every_ad: usize,
+    /// What the attacker did (`cannabis testnet attack --json`).
+    pub attacker: serde_json::Value,
 }
 
 /// The figures.
@@ -65,6 +91,8 @@ pub struct BenchReport {
     pub job_placed_to_leases_ms: u64,
     /// From publishing the job to every rank holding a countersigned lease, ms.
     pub job_submit_to_leases_ms: u64,
+    /// The run under attack (`--hostile`).
+    pub hostile: Option<HostileReport>,
 }
 
 /// Bid window of the benchmark's job: long, since it is placed as soon as its bids are in.
@@ -160,31 +188,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         .context("measuring the request-response baseline")?;
     let mut rtt = ping.rtt_us;
 
-    let mut published = Vec::new();
-    for k in 0..opts.offers {
-        let p = origin.client.publish_offer(&bench_offer(k))?;
-        published.push((p.job_id, p.published_at_us));
-        std::thread::sleep(opts.interval);
-    }
-
-    let expected = published.len() * (net.nodes.len() - 1);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut latencies;
-    loop {
-        latencies = Vec::new();
-        for node in &net.nodes[1..] {
-            let offers = node.client.offers()?;
-            for (job, at) in &published {
-                if let Some(o) = offers.iter().find(|o| &o.job_id == job) {
-                    latencies.push(o.received_at_us.saturating_sub(*at));
-                }
-            }
-        }
-        if latencies.len() >= expected || Instant::now() > deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let (mut latencies, expected) = propagation(&net, opts, 0)?;
     let seen = latencies.len();
     let (job_group, placed_ms, leases_ms) = time_job(&net)?;
 
@@ -207,15 +211,21 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let rss: Vec<u64> = memory.iter().map(|m| m.0).collect();
     let pss: Vec<u64> = memory.iter().map(|m| m.1).collect();
     let peers: usize = peers.iter().sum();
+    let propagation_us = summarize(&mut latencies).context("no offer reached any node")?;
+    let hostile = match &opts.hostile {
+        Some(only) => Some(under_attack(&net, opts, only, &propagation_us)?),
+        None => None,
+    };
     Ok(BenchReport {
+        hostile,
         job_group,
         job_submit_to_placed_ms: placed_ms,
         job_placed_to_leases_ms: leases_ms,
         job_submit_to_leases_ms: placed_ms + leases_ms,
         nodes: net.nodes.len(),
-        offers: published.len(),
+        offers: opts.offers,
         converge_ms,
-        propagation_us: summarize(&mut latencies).context("no offer reached any node")?,
+        propagation_us,
         receipts_expected: expected,
         receipts_seen: seen,
         request_response_rtt_us: summarize(&mut rtt).context("no round trip measured")?,
@@ -224,5 +234,116 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         pss_kib_mean: pss.iter().sum::<u64>() / pss.len().max(1) as u64,
         pss_kib_max: pss.iter().copied().max().unwrap_or(0),
         peers_mean: peers as f64 / net.nodes.len().max(1) as f64,
+    })
+}
+
+/// Publishes the benchmark's offers from node 0 (numbered from `first`) and waits until
+/// every other node holds them, or 30 s: the publish-to-receipt times, and how many
+/// receipts were expected.
+fn propagation(
+    net: &Testnet,
+    opts: &BenchOptions,
+    first: usize,
+) -> anyhow::Result<(Vec<u64>, usize)> {
+    let origin = &net.nodes[0];
+    let mut published = Vec::new();
+    for k in first..first + opts.offers {
+        let p = origin.client.publish_offer(&bench_offer(k))?;
+        published.push((p.job_id, p.published_at_us));
+        std::thread::sleep(opts.interval);
+    }
+    let expected = published.len() * (net.nodes.len() - 1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut latencies = Vec::new();
+        for node in &net.nodes[1..] {
+            let offers = node.client.offers()?;
+            for (job, at) in &published {
+                if let Some(o) = offers.iter().find(|o| &o.job_id == job) {
+                    latencies.push(o.received_at_us.saturating_sub(*at));
+                }
+            }
+        }
+        if latencies.len() >= expected || Instant::now() > deadline {
+            return Ok((latencies, expected));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Seconds the attacker runs before the offers are published again.
+const ATTACK_WARMUP: Duration = Duration::from_secs(5);
+
+/// The offers again, while `cannabis testnet attack` runs against every node.
+fn under_attack(
+    net: &Testnet,
+    opts: &BenchOptions,
+    only: &[String],
+    calm: &Summary,
+) -> anyhow::Result<HostileReport> {
+    let rss_before = net.rss_kib().into_iter().max().unwrap_or(0);
+    // Long enough to cover the warm-up, the publishing and the wait for receipts.
+    let seconds =
+        ATTACK_WARMUP.as_secs() + (opts.interval * u32::try_from(opts.offers)?).as_secs() + 15;
+    let mut attacker = std::process::Command::new(&opts.testnet.binary);
+    attacker.args([
+        "testnet",
+        "attack",
+        "--json",
+        "--seconds",
+        &seconds.to_string(),
+    ]);
+    if !only.is_empty() {
+        attacker.arg(format!("--only={}", only.join(",")));
+    }
+    let attacker = attacker
+        .arg("--dir")
+        .arg(&net.dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the attacker")?;
+    std::thread::sleep(ATTACK_WARMUP);
+    let measured = propagation(net, opts, 1_000_000);
+    let rss_during = net.rss_kib().into_iter().max().unwrap_or(0);
+    let out = attacker
+        .wait_with_output()
+        .context("waiting for the attacker")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "the attacker failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (mut latencies, expected) = measured?;
+    let seen = latencies.len();
+    let attacker: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("reading the attacker's report")?;
+    let honest: std::collections::BTreeSet<String> =
+        net.nodes.iter().map(|n| n.info.address.clone()).collect();
+    let mut flood_max = 0;
+    let mut holding = 0;
+    for node in &net.nodes {
+        let offers = node.client.offers()?;
+        flood_max = flood_max.max(
+            offers
+                .iter()
+                .filter(|o| !honest.contains(&o.requester))
+                .count(),
+        );
+        let ads = node.client.ads()?;
+        holding += usize::from(honest.iter().all(|a| ads.iter().any(|ad| &ad.node == a)));
+    }
+    let propagation_us =
+        summarize(&mut latencies).context("no offer reached any node under attack")?;
+    Ok(HostileReport {
+        p99_ratio: propagation_us.p99 as f64 / calm.p99.max(1) as f64,
+        propagation_us,
+        receipts_expected: expected,
+        receipts_seen: seen,
+        rss_kib_max_before: rss_before,
+        rss_kib_max_during: rss_during,
+        flood_offers_held_max: flood_max,
+        nodes_holding_every_ad: holding,
+        attacker,
     })
 }

@@ -81,13 +81,7 @@ impl Testnet {
         };
         let fee_recipient = founder(opts)?;
         let first = spawn(opts, 0, None, &fee_recipient)?;
-        let tcp = first
-            .info
-            .listen_addrs
-            .iter()
-            .find(|a| a.contains("/tcp/"))
-            .context("node 0 listens on no TCP address")?;
-        let bootstrap = format!("{tcp}/p2p/{}", first.info.peer_id);
+        let bootstrap = dial_addr(&first.info)?;
         net.nodes.push(first);
         // Start the rest together, then wait for each.
         let mut starting = Vec::new();
@@ -196,6 +190,42 @@ impl Drop for Testnet {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Where to dial each node of the testnet running from `dir` (`/ip4/.../tcp/.../p2p/...`),
+/// from the `node.json` each running node writes.
+pub fn dial_addrs(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let path = dir.join("testnet.json");
+    let text = fs::read_to_string(&path).with_context(|| {
+        format!(
+            "reading {}: is a testnet running from {}?",
+            path.display(),
+            dir.display()
+        )
+    })?;
+    let record: Record =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let mut addrs = Vec::new();
+    for n in &record.nodes {
+        let info_path = n.data_dir.join("node.json");
+        let info: NodeInfo = serde_json::from_str(
+            &fs::read_to_string(&info_path)
+                .with_context(|| format!("reading {}", info_path.display()))?,
+        )
+        .with_context(|| format!("parsing {}", info_path.display()))?;
+        addrs.push(dial_addr(&info)?);
+    }
+    Ok(addrs)
+}
+
+/// A node's TCP address with its peer id.
+pub fn dial_addr(info: &NodeInfo) -> anyhow::Result<String> {
+    let tcp = info
+        .listen_addrs
+        .iter()
+        .find(|a| a.contains("/tcp/"))
+        .with_context(|| format!("node {} listens on no TCP address", info.peer_id))?;
+    Ok(format!("{tcp}/p2p/{}", info.peer_id))
 }
 
 /// Stops the testnet recorded in `dir` (from another process than the one that started

@@ -36,6 +36,11 @@ impl Market {
             return Err(CommandError::JobIdTaken(job_id));
         }
         let fee = self.config.fee.clone().ok_or(CommandError::NoFeeTerms)?;
+        if let Some(rate) = self.config.view.offer_rate
+            && !self.view.offer_rate_allows(&me, now)
+        {
+            return Err(CommandError::OverRate(rate));
+        }
         let budget = Amount::sum(t.tasks.iter().map(|t| &t.budget))?;
         let ctx = self.context();
         let calls = t

@@ -232,15 +232,13 @@ impl Node {
     /// Hands an envelope to the engine (drain afterwards).
     pub fn deliver(&mut self, now: Timestamp, envelope: Envelope) {
         let input = match envelope {
-            Envelope::Ad { from, item } => Input::Ad(Heard {
+            Envelope::Ad { item, .. } => Input::Ad(Heard {
                 origin: Origin::Gossip(GossipId(0)),
-                source: Some(from),
                 received_us: now.0 * 1000,
                 item,
             }),
-            Envelope::Offer { from, item } => Input::Offer(Heard {
+            Envelope::Offer { item, .. } => Input::Offer(Heard {
                 origin: Origin::Gossip(GossipId(0)),
-                source: Some(from),
                 received_us: now.0 * 1000,
                 item,
             }),

@@ -46,7 +46,7 @@ fn draw_in_a_network(n: usize, seed: u64, task: &TaskSpec) -> (usize, u32, f64) 
     for ad in &ads {
         let item = Received::assumed(ad.clone(), ad.node);
         assert!(matches!(
-            view.on_ad(Arc::new(item), None, T0, 0),
+            view.on_ad(Arc::new(item), T0, 0),
             Verdict::Accept(_)
         ));
     }
@@ -487,4 +487,48 @@ fn offers_carry_the_networks_fee_terms_and_workers_decline_others() {
     assert!(by_2.contains("are not the network's"), "{by_2}");
     let by_3 = &declines[&testkit::keys(3).address()];
     assert!(by_3.contains("pins no fee terms"), "{by_3}");
+}
+
+#[test]
+fn a_requester_past_the_offer_rate_is_told_before_anything_is_kept() {
+    // Every node takes 256 of one requester's offers at once: the requester's own node
+    // refuses the next at submission, saying why, instead of keeping a job whose offer
+    // every node would drop.
+    let nodes = vec![Node::new(config(), identity(0), Some(testkit::keys(0)), T0)];
+    let mut net = network(nodes, |_| Machine::default());
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000);
+    let template = || testkit::template(vec![task.clone()], WINDOW, 3_600_000);
+    for i in 0..256u32 {
+        let mut nonce = [0; 16];
+        nonce[..4].copy_from_slice(&i.to_le_bytes());
+        submit(&mut net, template(), nonce);
+    }
+    let jobs = net.nodes[0].market.jobs().count();
+    let err = net.nodes[0]
+        .market
+        .command(
+            T0,
+            Command::Submit {
+                template: template(),
+                nonce: [0xff; 16],
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, CommandError::OverRate(_)), "{err}");
+    assert!(err.to_string().contains("a minute"), "{err}");
+    assert_eq!(net.nodes[0].market.jobs().count(), jobs);
+    // A second later there is room for one more (1,200 a minute).
+    let later = T0.plus_ms(1_000);
+    assert!(
+        net.nodes[0]
+            .market
+            .command(
+                later,
+                Command::Submit {
+                    template: template(),
+                    nonce: [0xfe; 16],
+                },
+            )
+            .is_ok()
+    );
 }

@@ -79,7 +79,6 @@ pub(crate) fn run(dir: &Path) -> anyhow::Result<Costs> {
             now,
             Input::Ad(Heard {
                 origin: Origin::Sync(cannabis_market::SyncId(0)),
-                source: None,
                 received_us: 0,
                 item: std::sync::Arc::new(item),
             }),

@@ -188,11 +188,61 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             out!("stopped {n} nodes of the testnet in {}", dir.display())?;
             Ok(())
         }
+        TestnetCommand::Attack {
+            targets,
+            dir,
+            seconds,
+            only,
+            format,
+        } => {
+            let targets = if targets.is_empty() {
+                launcher::dial_addrs(&dir)?
+                    .iter()
+                    .map(|a| a.parse())
+                    .collect::<Result<Vec<libp2p::Multiaddr>, _>>()?
+            } else {
+                targets
+            };
+            if !format.json {
+                out!("attacking {} nodes for {seconds} s ...", targets.len())?;
+            }
+            let kinds = if only.is_empty() {
+                super::attack::Kind::ALL.to_vec()
+            } else {
+                only
+            };
+            let r = super::attack::run(&targets, &kinds, Duration::from_secs(seconds))?;
+            if format.json {
+                return output::json(&r);
+            }
+            output::table(&[
+                ("nodes attacked", r.targets.to_string()),
+                ("ran", format!("{} ms", r.ran_ms)),
+                ("valid offers flooded", r.offers_published.to_string()),
+                (
+                    "garbage and forged messages",
+                    r.garbage_published.to_string(),
+                ),
+                (
+                    "sync pages served / refused",
+                    format!("{} / {}", r.sync_pages, r.sync_refused),
+                ),
+                (
+                    "greedy challenges sent / proved",
+                    format!("{} / {}", r.challenges_sent, r.challenges_proved),
+                ),
+                ("idle sockets opened", r.sockets_opened.to_string()),
+                ("came back after being let go", r.redials.to_string()),
+            ])?;
+            Ok(())
+        }
         TestnetCommand::Bench {
             nodes,
             offers,
             pings,
             dir,
+            hostile,
+            only,
             format,
         } => {
             if dir.exists() {
@@ -210,6 +260,12 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 offers,
                 interval: Duration::from_millis(100),
                 pings,
+                hostile: hostile.then(|| {
+                    only.iter()
+                        .filter_map(clap::ValueEnum::to_possible_value)
+                        .map(|v| v.get_name().to_string())
+                        .collect()
+                }),
             };
             let r = bench::run(&opts)?;
             if format.json {
@@ -222,14 +278,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 ("start and converge", format!("{} ms", r.converge_ms)),
                 (
                     "offer propagation",
-                    format!(
-                        "p50 {}  p99 {}  max {}  ({} of {} receipts)",
-                        ms(r.propagation_us.p50),
-                        ms(r.propagation_us.p99),
-                        ms(r.propagation_us.max),
-                        r.receipts_seen,
-                        r.receipts_expected
-                    ),
+                    propagation(&r.propagation_us, r.receipts_seen, r.receipts_expected),
                 ),
                 (
                     "request-response rtt",
@@ -270,9 +319,63 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                     ),
                 ),
             ])?;
+            if let Some(h) = &r.hostile {
+                let a = &h.attacker;
+                output::table(&[
+                    (
+                        "under attack",
+                        format!(
+                            "{} valid offers from one key, {} garbage and forged messages, \
+                             {} sync pages, {} greedy challenges ({} proved), {} idle sockets",
+                            a["offers_published"],
+                            a["garbage_published"],
+                            a["sync_pages"],
+                            a["challenges_sent"],
+                            a["challenges_proved"],
+                            a["sockets_opened"]
+                        ),
+                    ),
+                    (
+                        "offer propagation",
+                        format!(
+                            "{}; p99 {:.2}x the calm run's",
+                            propagation(&h.propagation_us, h.receipts_seen, h.receipts_expected),
+                            h.p99_ratio
+                        ),
+                    ),
+                    (
+                        "memory",
+                        format!(
+                            "largest RSS {:.1} MiB before, {:.1} MiB under attack; at most {} \
+                             of the flood's offers held by a node",
+                            h.rss_kib_max_before as f64 / 1024.0,
+                            h.rss_kib_max_during as f64 / 1024.0,
+                            h.flood_offers_held_max
+                        ),
+                    ),
+                    (
+                        "honest view",
+                        format!(
+                            "{} of {} nodes hold every honest node's ad",
+                            h.nodes_holding_every_ad, r.nodes
+                        ),
+                    ),
+                ])?;
+            }
             Ok(())
         }
     }
+}
+
+/// Publish-to-receipt times, µs, as a table cell.
+fn propagation(s: &cannabis_testnet::stats::Summary, seen: usize, expected: usize) -> String {
+    let ms = |us: u64| format!("{:.3} ms", us as f64 / 1e3);
+    format!(
+        "p50 {}  p99 {}  max {}  ({seen} of {expected} receipts)",
+        ms(s.p50),
+        ms(s.p99),
+        ms(s.max)
+    )
 }
 
 fn print_sim(report: &sim::SimReport, wall: Duration) -> anyhow::Result<()> {

@@ -433,7 +433,6 @@ impl Node {
                 now_ms,
                 Input::Ad(Heard::<CapabilityAd> {
                     origin: Origin::Sync(id),
-                    source: None,
                     received_us: now_us,
                     item: Arc::new(item),
                 }),
@@ -444,7 +443,6 @@ impl Node {
                 now_ms,
                 Input::Offer(Heard::<JobOffer> {
                     origin: Origin::Sync(id),
-                    source: None,
                     received_us: now_us,
                     item: Arc::new(item),
                 }),

@@ -26,6 +26,17 @@ pub(crate) struct Probe {
     os: cannabis_protocol::OsInfo,
 }
 
+/// How many messages past their signer's rate a peer may send before each further one
+/// counts against it: 32 at once, then 30 a minute (an honest relay sends a few at most).
+pub(crate) const OVER_RATE_SLACK: cannabis_market::rate::Rate = cannabis_market::rate::Rate {
+    burst: 32,
+    per_minute: 30,
+};
+
+/// What each message past the slack costs the peer (P5): a peer that keeps flooding is
+/// graylisted after a handful and let go.
+const OVER_RATE_PENALTY: f64 = 20.0;
+
 impl Node {
     pub(super) fn on_gossip(&mut self, event: gossipsub::Event) {
         let gossipsub::Event::Message {
@@ -57,49 +68,41 @@ impl Node {
             return;
         }
         let (now_ms, now_us) = now();
-        // The author gossipsub names; the market requires it to be the envelope's signer.
-        let source = message.source.as_ref().and_then(swarm::address_of);
         let topic = self.topics.from_hash(&message.topic);
         self.next_gossip += 1;
         let id = GossipId(self.next_gossip);
         let origin = Origin::Gossip(id);
         self.gossip.insert(id, (message_id, propagation_source));
-        match (topic, source) {
-            (Some(Topic::Ads), Some(source)) => {
-                match decode_gossip::<CapabilityAd>(&message.data) {
-                    Ok(item) => self.market.handle(
-                        now_ms,
-                        Input::Ad(Heard {
-                            origin,
-                            source: Some(source),
-                            received_us: now_us,
-                            item: Arc::new(item),
-                        }),
-                    ),
-                    Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
-                }
-            }
-            (Some(Topic::Offers { .. }), Some(source)) => {
-                match decode_gossip::<JobOffer>(&message.data) {
-                    Ok(item) => self.market.handle(
-                        now_ms,
-                        Input::Offer(Heard {
-                            origin,
-                            source: Some(source),
-                            received_us: now_us,
-                            item: Arc::new(item),
-                        }),
-                    ),
-                    Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
-                }
-            }
-            (Some(Topic::Blocks), Some(source)) => self.on_block(origin, &message.data, &source),
-            (None, _) | (_, None) => self.on_verdict(
+        match topic {
+            Some(Topic::Ads) => match decode_gossip::<CapabilityAd>(&message.data) {
+                Ok(item) => self.market.handle(
+                    now_ms,
+                    Input::Ad(Heard {
+                        origin,
+                        received_us: now_us,
+                        item: Arc::new(item),
+                    }),
+                ),
+                Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
+            },
+            Some(Topic::Offers { .. }) => match decode_gossip::<JobOffer>(&message.data) {
+                Ok(item) => self.market.handle(
+                    now_ms,
+                    Input::Offer(Heard {
+                        origin,
+                        received_us: now_us,
+                        item: Arc::new(item),
+                    }),
+                ),
+                Err(why) => self.on_verdict(origin, Verdict::Reject(why)),
+            },
+            Some(Topic::Blocks) => self.on_block(origin, &message.data),
+            None => self.on_verdict(
                 origin,
                 Verdict::Reject(cannabis_market::RejectReason::Decode(
                     cannabis_protocol::DecodeError::Malformed {
                         kind: "gossip message",
-                        reason: "unknown topic or anonymous source".into(),
+                        reason: "unknown topic".into(),
                     },
                 )),
             ),
@@ -124,6 +127,18 @@ impl Node {
             }
             Verdict::Ignore(why) => {
                 debug!(%peer, %msg, %why, "gossip ignored");
+                // Honest relays forward only what they took at the same rate, so they
+                // pass on a message past its signer's rate rarely (their buckets and ours
+                // started apart): a peer that keeps doing it is the flood's source.
+                if matches!(why, cannabis_market::IgnoreReason::RateLimited)
+                    && !self.over_rate.take(OVER_RATE_SLACK, peer, now().0)
+                {
+                    self.penalize(
+                        peer,
+                        OVER_RATE_PENALTY,
+                        "sends messages past their signer's rate",
+                    );
+                }
                 MessageAcceptance::Ignore
             }
             Verdict::Reject(why) => {
@@ -322,13 +337,11 @@ const RECENT_BLOCKS: usize = 1024;
 
 impl Blocks {
     /// The cheap checks of a gossiped block, in order, before any signature: it decodes;
-    /// its header names the gossip author as its sequencer; the sequencer is one of the
-    /// network's; the block is not one seen before, nor older than the recent ones. `Ok`:
+    /// the sequencer its header names is one of the network's; the block is not one seen before, nor older than the recent ones. `Ok`:
     /// verify it (off the driver) and then [`Blocks::taken`].
     fn precheck(
         &self,
         bytes: &[u8],
-        source: &cannabis_protocol::Address,
         sequencers: &[cannabis_protocol::Address],
     ) -> Result<cannabis_protocol::Block, Verdict> {
         use cannabis_market::{IgnoreReason, RejectReason};
@@ -340,12 +353,6 @@ impl Blocks {
             .open()
             .map_err(|e| Verdict::Reject(RejectReason::Verify(e)))?;
         let sequencer = header.body.sequencer;
-        if sequencer != *source {
-            return Err(Verdict::Reject(RejectReason::NotFromSigner {
-                source_addr: *source,
-                signer: sequencer,
-            }));
-        }
         if !sequencers.contains(&sequencer) {
             return Err(Verdict::Reject(RejectReason::Decode(
                 cannabis_protocol::DecodeError::Malformed {
@@ -404,11 +411,8 @@ fn verify_block(
 impl Node {
     /// A gossiped block: the cheap checks here, the signatures off the driver (a block of
     /// 1 MiB takes a few hundred milliseconds to verify).
-    fn on_block(&mut self, origin: Origin, bytes: &[u8], source: &cannabis_protocol::Address) {
-        let block = match self
-            .blocks
-            .precheck(bytes, source, &self.config.gossip.sequencers)
-        {
+    fn on_block(&mut self, origin: Origin, bytes: &[u8]) {
+        let block = match self.blocks.precheck(bytes, &self.config.gossip.sequencers) {
             Ok(b) => b,
             Err(verdict) => return self.on_verdict(origin, verdict),
         };
@@ -503,35 +507,26 @@ mod tests {
         let (seq, other) = (Keypair::from_secret([1; 32]), Keypair::from_secret([2; 32]));
         let sequencers = [seq.address()];
         let mut blocks = Blocks::default();
-        // Signed by a key that is not the network's sequencer, published by itself.
+        // Signed by a key that is not the network's sequencer.
         let stranger = block(&other, 1);
         assert!(matches!(
-            blocks.precheck(&stranger, &other.address(), &sequencers),
+            blocks.precheck(&stranger, &sequencers),
             Err(Verdict::Reject(_))
         ));
-        // The sequencer's, relayed as published by someone else.
         let good = block(&seq, 1);
-        assert!(matches!(
-            blocks.precheck(&good, &other.address(), &sequencers),
-            Err(Verdict::Reject(
-                cannabis_market::RejectReason::NotFromSigner { .. }
-            ))
-        ));
         // The sequencer's own: checked in full, then taken once.
-        let b = blocks.precheck(&good, &seq.address(), &sequencers).unwrap();
+        let b = blocks.precheck(&good, &sequencers).unwrap();
         let (s, h) = verify_block(&b).unwrap();
         blocks.taken(b.hash(), s, h);
         assert!(matches!(
-            blocks.precheck(&good, &seq.address(), &sequencers),
+            blocks.precheck(&good, &sequencers),
             Err(Verdict::Ignore(cannabis_market::IgnoreReason::Duplicate))
         ));
         // Far below the highest height: stale, whatever its hash.
-        let top = blocks
-            .precheck(&block(&seq, 5_000), &seq.address(), &sequencers)
-            .unwrap();
+        let top = blocks.precheck(&block(&seq, 5_000), &sequencers).unwrap();
         blocks.taken(top.hash(), seq.address(), 5_000);
         assert!(matches!(
-            blocks.precheck(&block(&seq, 2), &seq.address(), &sequencers),
+            blocks.precheck(&block(&seq, 2), &sequencers),
             Err(Verdict::Ignore(cannabis_market::IgnoreReason::Stale { .. }))
         ));
         // Nothing is remembered without bound.

@@ -90,12 +90,13 @@ impl Behaviour {
             .with_max_pending_outgoing(Some(config.limits.max_pending_outgoing));
 
         // Every gossiped payload is a signed envelope the market checks, so gossipsub's own
-        // signature would be a second check of the same author on every hop: messages carry
-        // their author's peer id unsigned (the market rejects one whose author is not the
-        // envelope's signer).
+        // author, sequence number and signature would say nothing more, and checking a
+        // signature a sender chose to attach would be work any peer could make every node
+        // do for every message and every duplicate: messages carry none, and one carrying
+        // any is invalid (see gossip_config).
         let topics = topics::Topics::new(config.gossip.offer_shards);
         let mut gossipsub = gossipsub::Behaviour::new_with_subscription_filter(
-            gossipsub::MessageAuthenticity::Author(peer_id),
+            gossipsub::MessageAuthenticity::Anonymous,
             gossip_config(config, &topics)?,
             subscription_filter(&topics),
         )?;
@@ -175,6 +176,14 @@ impl Behaviour {
     }
 }
 
+/// The largest control message gossipsub reads (IHAVE, IWANT, IDONTWANT, GRAFT, PRUNE): a
+/// peer whose control message is bigger is not read any more. Ours must stay under it.
+const CONTROL_MESSAGE_CAP: usize = 16 * 1024;
+
+/// Message ids one control message of ours names at most: each id is 32 bytes (SHA-256)
+/// and 2 of protobuf framing, with room for the topic and the envelope.
+const CONTROL_IDS: usize = (CONTROL_MESSAGE_CAP - 512) / 34;
+
 /// Room for gossipsub's own fields around a payload (topic name, author, sequence number).
 const GOSSIP_FIELDS: usize = 512;
 
@@ -209,8 +218,12 @@ fn gossip_config(
         // (each within its topic's cap: at most 12 MiB of offers), and each one refused
         // past them counts against it (P8).
         .connection_handler_queue_len(200)
+        // gossipsub names up to 5,000 ids in one IHAVE or IWANT, which is 160 KiB: a peer
+        // would stop reading us. At most as many as fit the cap.
+        .max_control_messages_sent(CONTROL_IDS)
+        .max_control_message_size(CONTROL_MESSAGE_CAP)
         .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
-        .validation_mode(gossipsub::ValidationMode::Permissive)
+        .validation_mode(gossipsub::ValidationMode::Anonymous)
         .validate_messages()
         // The topic is part of the id: an offer gossiped on several shards' topics is one
         // message per topic.
@@ -244,4 +257,29 @@ pub fn address_of(peer: &PeerId) -> Option<cannabis_protocol::Address> {
 pub fn peer_of(address: &cannabis_protocol::Address) -> Option<PeerId> {
     let key = identity::ed25519::PublicKey::try_from_bytes(address.public_key()).ok()?;
     Some(identity::PublicKey::from(key).to_peer_id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every control message the node sends fits what a peer reads (16 KiB): the ids it
+    /// names, their framing, the longest topic name and the envelope.
+    #[test]
+    fn the_nodes_own_control_messages_fit_what_peers_read() {
+        let config = NodeConfig::default();
+        let topics = topics::Topics::new(cannabis_protocol::draw::MAX_SHARDS);
+        let g = gossip_config(&config, &topics).unwrap();
+        let longest_topic = topics.all().map(|(h, _)| h.as_str().len()).max().unwrap();
+        let ids = g.max_control_messages_sent();
+        assert!(
+            ids >= 256,
+            "{ids} ids a message is too few to gossip a busy topic"
+        );
+        let biggest = ids * (32 + 2) + longest_topic + 64;
+        assert!(
+            biggest <= g.max_control_message_size() && biggest <= CONTROL_MESSAGE_CAP,
+            "a control message of ours may be {biggest} bytes"
+        );
+    }
 }

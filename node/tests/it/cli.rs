@@ -207,6 +207,7 @@ fn version_and_help_on_every_command() {
         vec!["testnet", "up"],
         vec!["testnet", "down"],
         vec!["testnet", "bench"],
+        vec!["testnet", "attack"],
         vec!["testnet", "sim"],
         vec!["keys"],
         vec!["keys", "new"],
@@ -700,6 +701,96 @@ fn exec_run_runs_a_job_file_in_the_sandbox_and_signs_the_result() {
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("pinned by digest only"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// The hostile benchmark on real processes: a testnet, its offers, then the same offers
+/// while `testnet attack` runs every attack at once against every node. What must hold
+/// whatever the machine's speed: every honest offer still reaches every node, no greedy
+/// challenge is proved, no node holds more of the flood than its signer's rate allows, and
+/// every node still holds every honest node's ad. (Latency figures belong to
+/// docs/benchmarks.md, not to a test.)
+#[test]
+fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = dir.path().join("net");
+    let o = cannabis(
+        dir.path(),
+        &[
+            "testnet",
+            "bench",
+            "--nodes",
+            "4",
+            "--offers",
+            "10",
+            "--pings",
+            "10",
+            "--hostile",
+            "--json",
+            "--dir",
+            net.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let h = &r["hostile"];
+    assert_eq!(h["receipts_seen"], h["receipts_expected"], "{h}");
+    assert_eq!(h["receipts_expected"], 30);
+    assert_eq!(h["nodes_holding_every_ad"], 4, "{h}");
+    let a = &h["attacker"];
+    assert_eq!(a["targets"], 4);
+    for what in [
+        "offers_published",
+        "garbage_published",
+        "sync_pages",
+        "challenges_sent",
+        "sockets_opened",
+    ] {
+        assert!(
+            a[what].as_u64().unwrap() > 0,
+            "the attacker did no {what}: {a}"
+        );
+    }
+    assert_eq!(a["challenges_proved"], 0, "{a}");
+    // The signer's burst (256) and its rate (20 a second) over the attack's 21 s.
+    let held = h["flood_offers_held_max"].as_u64().unwrap();
+    assert!(held <= 256 + 20 * 21, "a node held {held} of the flood");
+    // No node (nor the attacker) left behind.
+    let mine = net.to_string_lossy().into_owned();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&mine))
+        .collect();
+    assert!(left.is_empty(), "left running: {left:?}");
+}
+
+#[test]
+fn testnet_attack_takes_only_loopback_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cannabis(
+        dir.path(),
+        &[
+            "testnet",
+            "attack",
+            "--seconds",
+            "1",
+            "--target",
+            "/ip4/192.0.2.7/tcp/4001/p2p/12D3KooWPFp93FuYJKk92KBy3otqfHV4pP41jkRQdRx8E56KE2qm",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("loopback"), "{}", stderr(&o));
+    let o = cannabis(
+        dir.path(),
+        &["testnet", "attack", "--dir", "no-such-testnet"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("is a testnet running"),
         "{}",
         stderr(&o)
     );
