@@ -230,8 +230,22 @@ pub(crate) struct Node {
     served: cannabis_market::rate::Limiter<PeerId>,
     /// Messages each peer sent past their signer's rate (the slack honest relays get).
     over_rate: cannabis_market::rate::Limiter<PeerId>,
+    /// Ads and offers dropped since the allocator last gave free memory back.
+    dropped_since_trim: usize,
     /// Why the node is in read-only safe mode (a write to its store failed), if it is.
     safe_mode: Option<String>,
+}
+
+/// Gives the memory the allocator holds free back to the system. glibc keeps what a
+/// program frees for its next allocations: after a flood of offers expires, a node would
+/// otherwise keep its peak for good. Called at upkeep after ads or offers were dropped.
+#[allow(unsafe_code)]
+fn give_back_memory() {
+    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; it
+    // takes no pointer and touches no live allocation.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// How often the node does its upkeep.
@@ -340,6 +354,7 @@ pub async fn start(
         blocks: gossip::Blocks::default(),
         served: cannabis_market::rate::Limiter::default(),
         over_rate: cannabis_market::rate::Limiter::default(),
+        dropped_since_trim: 0,
         safe_mode: None,
     };
     node.drain();
@@ -501,6 +516,9 @@ impl Node {
                     self.catch_up();
                     self.reach_every_shard();
                     self.trim_connections();
+                    if std::mem::take(&mut self.dropped_since_trim) > 0 {
+                        give_back_memory();
+                    }
                 }
             }
             self.drain();
@@ -641,6 +659,7 @@ impl Node {
                 Err(error) => info!(%to, %error, "{what} not delivered"),
             },
             MarketEvent::Expired { ads, offers } => {
+                self.dropped_since_trim += ads + offers.len();
                 debug!(ads, "capability ads expired");
                 for job in offers {
                     info!(%job, "offer expired");

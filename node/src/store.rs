@@ -158,8 +158,15 @@ impl std::ops::Deref for Db<'_> {
     }
 }
 
+/// The store's page cache. redb's default (1 GiB) would let the cache of a busy node's
+/// written pages grow to that; what the node reads back often is small (the market is in
+/// memory), so a small cache costs nothing.
+const CACHE_BYTES: usize = 32 << 20;
+
 fn create(path: &Path) -> anyhow::Result<Database> {
-    let db = Database::create(path)
+    let db = redb::Builder::new()
+        .set_cache_size(CACHE_BYTES)
+        .create(path)
         .with_context(|| format!("opening the store at {}", path.display()))?;
     let txn = db.begin_write()?;
     txn.open_table(COUNTERS)?;
