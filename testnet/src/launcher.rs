@@ -96,6 +96,19 @@ impl Testnet {
         Ok(net)
     }
 
+    /// How many of its nodes still run.
+    pub fn running(&mut self) -> usize {
+        let mut running = 0;
+        for n in &mut self.nodes {
+            if let Some(c) = n.child.as_mut()
+                && matches!(c.try_wait(), Ok(None))
+            {
+                running += 1;
+            }
+        }
+        running
+    }
+
     fn write_record(&self) -> anyhow::Result<()> {
         let record = Record {
             nodes: self

@@ -52,14 +52,27 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 dir.display(),
                 dir.display()
             )?;
-            runtime.block_on(async {
-                tokio::select! {
-                    _ = int.recv() => {}
-                    _ = term.recv() => {}
+            // Until Ctrl-C, or until every node is gone (`testnet down` from another shell).
+            let all_gone = runtime.block_on(async {
+                let mut check = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tokio::select! {
+                        _ = int.recv() => return false,
+                        _ = term.recv() => return false,
+                        _ = check.tick() => {
+                            if net.running() == 0 {
+                                return true;
+                            }
+                        }
+                    }
                 }
             });
             net.stop();
-            out!("stopped")?;
+            if all_gone {
+                out!("every node has stopped (testnet down?)")?;
+            } else {
+                out!("stopped")?;
+            }
             Ok(())
         }
         TestnetCommand::Sim {
