@@ -25,8 +25,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, Decline, Digest, JobOffer, LeaseAccept, LeaseRenewal,
-    MoneyError, NamedDigest, PublicKeyBytes, Rendezvous, RosterEntry, SignatureBytes, Signed,
-    TaskInput, Timestamp, Uuid, message_id,
+    MoneyError, NamedDigest, PublicKeyBytes, Received, Rendezvous, RosterEntry, SignatureBytes,
+    Signed, TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -224,6 +224,10 @@ pub struct Assignment {
     pub expires_at: Timestamp,
     /// When the last renewal not yet acknowledged was sent.
     pub renewal_sent: Option<Timestamp>,
+    /// The worker's signed acceptance, once it countersigned: the evidence if it signs
+    /// another for the same epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accepted: Option<Signed<LeaseAccept>>,
 }
 
 /// One task's state.
@@ -368,6 +372,9 @@ pub struct Job {
     /// Conflicting signed messages of workers, kept as evidence.
     #[serde(default)]
     evidence: Vec<Equivocation>,
+    /// Conflicting signed lease acceptances of workers, kept as evidence.
+    #[serde(default)]
+    accept_evidence: Vec<AcceptEquivocation>,
     /// History lines dropped to keep it within its bound (the oldest after the first).
     #[serde(default)]
     history_dropped: u64,
@@ -384,6 +391,21 @@ pub struct Equivocation {
     pub first: Signed<Bid>,
     /// The conflicting one.
     pub second: Signed<Bid>,
+    /// When the second arrived.
+    pub at: Timestamp,
+}
+
+/// Two different lease acceptances one worker signed for one assignment and epoch (an
+/// epoch is awarded once, so one of them names an award the requester never sent).
+/// Anyone can check both signatures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AcceptEquivocation {
+    /// The worker.
+    pub worker: Address,
+    /// The acceptance of the award sent, taken first.
+    pub first: Signed<LeaseAccept>,
+    /// The conflicting one.
+    pub second: Signed<LeaseAccept>,
     /// When the second arrived.
     pub at: Timestamp,
 }
@@ -442,6 +464,7 @@ impl Job {
             history: Vec::new(),
             cancelled: false,
             evidence: Vec::new(),
+            accept_evidence: Vec::new(),
             history_dropped: 0,
         };
         job.log(now, None, "offer published; taking bids".into());
@@ -664,6 +687,11 @@ impl Job {
         &self.evidence
     }
 
+    /// Conflicting signed lease acceptances of workers, kept as evidence.
+    pub fn accept_evidence(&self) -> &[AcceptEquivocation] {
+        &self.accept_evidence
+    }
+
     /// Whether task `i`, still bidding, can be placed before its window ends.
     fn early_ready(&self, i: usize, now: Timestamp) -> bool {
         let Some(early) = self.bidding.early else {
@@ -731,12 +759,14 @@ impl Job {
 
     /// A countersignature whose signature and sender the caller checked. It makes the lease
     /// current only for the rank's current epoch, from its worker, for the award sent,
-    /// while the award is still open.
+    /// while the award is still open. An acceptance from the rank's worker naming another
+    /// award, after it accepted the one sent, is kept with the first as evidence.
     pub fn on_accept(
         &mut self,
-        accept: &LeaseAccept,
+        signed: &Received<LeaseAccept>,
         now: Timestamp,
     ) -> Result<Vec<Action>, Refusal> {
+        let accept = &signed.body;
         if accept.job_id != self.offer.job_id {
             return Err(Refusal::UnknownJob(accept.job_id));
         }
@@ -744,6 +774,25 @@ impl Job {
         let (requester, job_id) = (self.offer.requester, self.offer.job_id);
         let a = self.assignment(accept.task, accept.rank, accept.epoch)?;
         if accept.worker != a.worker || accept.award != a.award {
+            if let Some(first) = a.accepted.clone().filter(|_| accept.worker == a.worker)
+                && self.accept_evidence.len() < MAX_EVIDENCE
+            {
+                self.accept_evidence.push(AcceptEquivocation {
+                    worker: accept.worker,
+                    first,
+                    second: signed.signed.clone(),
+                    at: now,
+                });
+                self.log(
+                    now,
+                    Some(accept.task),
+                    format!(
+                        "{} signed a second acceptance of epoch {}, naming an award never \
+                         sent: both kept as evidence",
+                        accept.worker, accept.epoch
+                    ),
+                );
+            }
             return Err(Refusal::NotTheAward);
         }
         match a.state {
@@ -752,6 +801,7 @@ impl Job {
             _ => return Err(Refusal::AwardClosed),
         }
         a.state = LeaseState::Current;
+        a.accepted = Some(signed.signed.clone());
         // Renew at once: the award's own expiry is short on purpose.
         a.renewal_sent = Some(now);
         let renewal = LeaseRenewal {
@@ -1158,6 +1208,7 @@ impl Job {
                 state: LeaseState::Offered,
                 expires_at,
                 renewal_sent: None,
+                accepted: None,
             });
             actions.push(Action::Award(award));
         }

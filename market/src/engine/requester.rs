@@ -342,7 +342,7 @@ impl Market {
             .jobs
             .get_mut(&job_id)
             .ok_or(Refusal::UnknownJob(job_id))?;
-        let actions = job.on_accept(&r.body, now)?;
+        let actions = job.on_accept(&r, now)?;
         if job.tasks()[task as usize].status() == &crate::job::TaskStatus::Running {
             self.event(MarketEvent::TaskLeased { job: job_id, task });
         }

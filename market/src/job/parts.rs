@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use cannabis_protocol::{Address, Digest, JobOffer, SignatureBytes};
 use serde::{Deserialize, Serialize};
 
-use super::{Bidding, Equivocation, Event, Job, LeaseConfig, Task};
+use super::{AcceptEquivocation, Bidding, Equivocation, Event, Job, LeaseConfig, Task};
 use crate::placement::Candidate;
 
 /// One stored part of a job.
@@ -64,6 +64,8 @@ pub struct Head {
     tasks: Vec<Task>,
     cancelled: bool,
     evidence: Vec<Equivocation>,
+    #[serde(default)]
+    accept_evidence: Vec<AcceptEquivocation>,
     history_dropped: u64,
 }
 
@@ -141,6 +143,7 @@ impl Job {
             tasks,
             cancelled: self.cancelled,
             evidence: self.evidence.clone(),
+            accept_evidence: self.accept_evidence.clone(),
             history_dropped: self.history_dropped,
         })));
         for (i, t) in self.tasks.iter().enumerate() {
@@ -236,6 +239,7 @@ impl Job {
             history: lines.into_values().collect(),
             cancelled: head.cancelled,
             evidence: head.evidence,
+            accept_evidence: head.accept_evidence,
             history_dropped: head.history_dropped,
         })
     }

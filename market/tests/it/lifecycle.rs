@@ -919,3 +919,49 @@ fn an_acceptance_of_an_award_never_sent_is_refused_and_penalized() {
             .any(|(who, why)| *who == worker && *why == Refusal::NotTheAward)
     );
 }
+
+#[test]
+fn a_worker_that_signs_two_acceptances_of_one_epoch_is_caught() {
+    let mut w = world(2, vec![testkit::task("t", 1, 0, 0, 1, 100_000)]);
+    let now = T0.plus_ms(WINDOW);
+    w.net.tick(now);
+    w.net.settle(now);
+    assert_eq!(w.status(0), TaskStatus::Running);
+    let a = w.job().tasks()[0].ranks()[0].clone();
+    let worker = a.worker;
+    let i = w
+        .net
+        .nodes
+        .iter()
+        .position(|n| n.address() == worker)
+        .unwrap();
+    // Having countersigned the award, the worker signs another acceptance of the same
+    // epoch naming an award that was never sent.
+    let second = LeaseAccept {
+        award: Digest::of(b"another award"),
+        job_id: w.job().id(),
+        task: 0,
+        rank: 0,
+        worker,
+        epoch: a.epoch,
+        issued_at: now,
+    };
+    let keys = testkit::keys(i as u64);
+    let requester = w.net.nodes[0].address();
+    let msg = Inbound::Accept(Signed::sign(&keys, &second).open().unwrap());
+    w.request(worker, requester, msg, now);
+    assert_eq!(w.net.nodes[0].refusals.last(), Some(&Refusal::NotTheAward));
+    let evidence = w.job().accept_evidence();
+    assert_eq!(evidence.len(), 1, "{evidence:?}");
+    let e = &evidence[0];
+    assert_eq!(e.worker, worker);
+    let (first, second) = (
+        e.first.verify().unwrap().body,
+        e.second.verify().unwrap().body,
+    );
+    assert_eq!((first.epoch, second.epoch), (a.epoch, a.epoch));
+    assert_eq!(first.award, a.award);
+    assert_ne!(first.award, second.award);
+    // The lease it holds stands: the award sent was accepted.
+    assert_eq!(w.status(0), TaskStatus::Running);
+}
