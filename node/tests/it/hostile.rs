@@ -892,21 +892,23 @@ async fn a_peer_that_stops_reading_is_penalized_and_let_go() {
     let dir = tempfile::tempdir().unwrap();
     let a = net::start(&dir.path().join("a"), None).await;
     let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
-    net::wait_converged(&[&a, &b], 2).await;
+    let c = net::start(&dir.path().join("c"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b, &c], 3).await;
     let hostile = subscribed_hostile(&a, rand_secret()).await;
     let hostile_id = hostile.local_peer_id().to_string();
     // From here on the hostile swarm is never polled: soon it reads nothing.
-    // A and B publish 250 offers each, of about 40 KiB (20 MB in all), which A sends on.
+    // A, B and C publish 250 offers each, of about 50 KiB (37 MB in all, well past what
+    // the sockets between A and the peer hold), which A sends on.
     for k in 0..250 {
-        for n in [&a, &b] {
+        for n in [&a, &b, &c] {
             let mut t = cannabis_testnet::bench::bench_offer(k);
-            t.tasks[0].workload.entrypoint.push("x".repeat(40_000));
+            t.tasks[0].workload.entrypoint.push("x".repeat(50_000));
             n.handle.publish_offer(t).await.unwrap();
         }
     }
     // The peer is penalized for what it did not take, then disconnected.
     let outcome = wait_for(
-        Duration::from_secs(40),
+        Duration::from_secs(60),
         "A to let the slow peer go",
         || async {
             let peers = a.handle.peers().await.ok()?;
@@ -920,6 +922,7 @@ async fn a_peer_that_stops_reading_is_penalized_and_let_go() {
     .await;
     assert!(outcome < -80.0);
     drop(hostile);
+    c.stop().await;
     b.stop().await;
     a.stop().await;
 }
