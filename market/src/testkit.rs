@@ -5,10 +5,12 @@
 pub mod net;
 
 use cannabis_protocol::{
-    AdapterKind, Address, Amount, CapabilityAd, DeliveryIdentity, Digest, FeeTerms, Gpu, GpuPrice,
-    GpuVendor, Hardware, JobOffer, Keypair, NetworkLimits, OsInfo, PriceSheet, Requirements,
-    Resources, Runtime, TaskSpec, Timestamp, Uuid, Workload,
+    AdapterKind, Address, Amount, CapabilityAd, Decline, DeliveryIdentity, Digest, FeeTerms, Gpu,
+    GpuPrice, GpuVendor, Hardware, JobOffer, Keypair, NetworkLimits, OsInfo, PriceSheet,
+    Requirements, Resources, Runtime, TaskSpec, Timestamp, Uuid, Workload, message_id,
 };
+
+use crate::job::{Bidding, Job, LeaseConfig};
 
 const GIB: u64 = 1 << 30;
 
@@ -187,6 +189,33 @@ pub fn offer(
         acceptance: Vec::new(),
         calls: vec![cannabis_protocol::BidCall::EVERYONE; tasks.len()],
         tasks,
+    }
+}
+
+/// The job of `requester`'s offer number 1 of `tasks` (bids for a minute, due in an hour),
+/// published at `now` with the default lease timing and bidding.
+pub fn job(requester: Address, tasks: Vec<TaskSpec>, now: Timestamp) -> Job {
+    let offer = offer(requester, 1, tasks, now, 60_000, 3_600_000);
+    let id = message_id(&offer);
+    Job::new(
+        offer,
+        id,
+        "job".into(),
+        LeaseConfig::default(),
+        Bidding::default(),
+        now,
+    )
+}
+
+/// `worker`'s decline of task `task` of `job`'s offer, saying `reason`.
+pub fn decline(job: &Job, task: u32, worker: Address, reason: String, now: Timestamp) -> Decline {
+    Decline {
+        job_id: job.id(),
+        task,
+        offer: job.offer_id(),
+        worker,
+        reason,
+        issued_at: now,
     }
 }
 

@@ -589,41 +589,19 @@ mod tests {
     /// restart too; what loads is the job as it was; a deleted job leaves no row.
     #[test]
     fn a_change_to_a_job_writes_only_the_parts_it_touched() {
-        use cannabis_market::job::{Bidding, LeaseConfig};
         use cannabis_market::testkit;
-        use cannabis_protocol::{Decline, message_id};
 
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("node.redb");
         let t = Timestamp(1_000_000);
         let me = testkit::keys(1).address();
-        let offer = testkit::offer(
-            me,
-            1,
-            vec![testkit::task("t", 1, 0, 0, 1, 1_000)],
-            t,
-            60_000,
-            3_600_000,
-        );
-        let offer_id = message_id(&offer);
-        let mut job = Job::new(
-            offer.clone(),
-            offer_id,
-            "job".into(),
-            LeaseConfig::default(),
-            Bidding::default(),
-            t,
-        );
-        let decline = |i: u64| Decline {
-            job_id: offer.job_id,
-            task: 0,
-            offer: offer_id,
-            worker: testkit::keys(100 + i).address(),
-            reason: "no ".repeat(60),
-            issued_at: t,
+        let mut job = testkit::job(me, vec![testkit::task("t", 1, 0, 0, 1, 1_000)], t);
+        let decline = |job: &Job, i: u64| {
+            let worker = testkit::keys(100 + i).address();
+            testkit::decline(job, 0, worker, "no ".repeat(60), t)
         };
         for i in 0..1_000 {
-            job.on_decline(decline(i), t).unwrap();
+            job.on_decline(decline(&job, i), t).unwrap();
         }
         let put = |s: &Store, j: &Job| {
             s.apply(&[RecordOp::Put(Record::Job(Box::new(j.clone())))], &me)
@@ -634,7 +612,7 @@ mod tests {
         put(&s, &job);
         let whole = s.job_bytes_written();
         assert!(whole > 300_000, "{whole}");
-        job.on_decline(decline(1_000), t).unwrap();
+        job.on_decline(decline(&job, 1_000), t).unwrap();
         put(&s, &job);
         let change = s.job_bytes_written() - whole;
         assert!(change < 4_096, "one decline wrote {change} bytes");
@@ -650,7 +628,7 @@ mod tests {
         };
         assert_eq!(json(back), json(&job));
         assert_eq!(back.history().len(), 1_000, "the history keeps its bound");
-        job.on_decline(decline(1_001), t).unwrap();
+        job.on_decline(decline(&job, 1_001), t).unwrap();
         put(&s, &job);
         assert!(s.job_bytes_written() < 4_096, "{}", s.job_bytes_written());
         let loaded = s.load_records().unwrap();
@@ -677,29 +655,12 @@ mod tests {
     /// replaces it by parts.
     #[test]
     fn a_job_kept_whole_loads_and_is_then_kept_in_parts() {
-        use cannabis_market::job::{Bidding, LeaseConfig};
         use cannabis_market::testkit;
-        use cannabis_protocol::message_id;
 
         let dir = tempfile::tempdir().unwrap();
         let t = Timestamp(1_000_000);
         let me = testkit::keys(1).address();
-        let offer = testkit::offer(
-            me,
-            1,
-            vec![testkit::task("t", 1, 0, 0, 1, 1_000)],
-            t,
-            60_000,
-            3_600_000,
-        );
-        let job = Job::new(
-            offer.clone(),
-            message_id(&offer),
-            "job".into(),
-            LeaseConfig::default(),
-            Bidding::default(),
-            t,
-        );
+        let job = testkit::job(me, vec![testkit::task("t", 1, 0, 0, 1, 1_000)], t);
         let s = Store::open(&dir.path().join("node.redb")).unwrap();
         {
             let txn = s.db().unwrap().begin_write().unwrap();

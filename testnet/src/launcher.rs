@@ -232,7 +232,7 @@ pub fn dial_addrs(dir: &Path) -> anyhow::Result<Vec<String>> {
 }
 
 /// A node's TCP address with its peer id.
-pub fn dial_addr(info: &NodeInfo) -> anyhow::Result<String> {
+fn dial_addr(info: &NodeInfo) -> anyhow::Result<String> {
     let tcp = info
         .listen_addrs
         .iter()

@@ -247,9 +247,9 @@ impl Job {
 
 #[cfg(test)]
 mod tests {
-    use cannabis_protocol::{Decline, Timestamp, message_id};
+    use cannabis_protocol::Timestamp;
 
-    use crate::job::{Bidding, Job, LeaseConfig};
+    use crate::job::Job;
     use crate::testkit;
 
     /// A job cut into parts and put together again is the same job, its history past its
@@ -257,39 +257,18 @@ mod tests {
     #[test]
     fn a_job_is_its_parts() {
         let t = Timestamp(1_000_000);
-        let offer = testkit::offer(
+        let mut job = testkit::job(
             testkit::keys(1).address(),
-            1,
             vec![
                 testkit::task("a", 1, 0, 0, 1, 1_000),
                 testkit::task("b", 1, 0, 0, 2, 1_000),
             ],
             t,
-            60_000,
-            3_600_000,
-        );
-        let offer_id = message_id(&offer);
-        let mut job = Job::new(
-            offer.clone(),
-            offer_id,
-            "job".into(),
-            LeaseConfig::default(),
-            Bidding::default(),
-            t,
         );
         for i in 0..1_200u64 {
-            job.on_decline(
-                Decline {
-                    job_id: offer.job_id,
-                    task: (i % 2) as u32,
-                    offer: offer_id,
-                    worker: testkit::keys(10 + i).address(),
-                    reason: format!("reason {i}"),
-                    issued_at: t,
-                },
-                t,
-            )
-            .unwrap();
+            let worker = testkit::keys(10 + i).address();
+            let d = testkit::decline(&job, (i % 2) as u32, worker, format!("reason {i}"), t);
+            job.on_decline(d, t).unwrap();
         }
         let parts = job.parts();
         let mut keys: Vec<Vec<u8>> = parts.iter().map(|p| p.key()).collect();

@@ -97,6 +97,34 @@ pub(crate) fn submit(
 }
 
 impl World {
+    /// `worker` signs an acceptance of task 0, rank 0 at `epoch` naming an award the
+    /// requester never sent, and sends it.
+    fn accept_unsent_award(&mut self, worker: Address, epoch: u64, now: Timestamp) {
+        let i = self
+            .net
+            .nodes
+            .iter()
+            .position(|n| n.address() == worker)
+            .unwrap();
+        let accept = LeaseAccept {
+            award: Digest::of(b"an award nobody sent"),
+            job_id: self.job,
+            task: 0,
+            rank: 0,
+            worker,
+            epoch,
+            issued_at: now,
+        };
+        let requester = self.net.nodes[0].address();
+        let signed = Signed::sign(&testkit::keys(i as u64), &accept);
+        self.request(
+            worker,
+            requester,
+            Inbound::Accept(signed.open().unwrap()),
+            now,
+        );
+    }
+
     fn job(&self) -> &Job {
         self.net.nodes[0].market.job(&self.job).unwrap()
     }
@@ -888,28 +916,10 @@ fn an_acceptance_of_an_award_never_sent_is_refused_and_penalized() {
     w.net.tick(now);
     let award = w.awards()[0].clone();
     let worker = award.worker;
-    let i = w
-        .net
-        .nodes
-        .iter()
-        .position(|n| n.address() == worker)
-        .unwrap();
     // The worker signs an acceptance of the right assignment and epoch, but of an award
     // the requester never sent.
-    let accept = LeaseAccept {
-        award: Digest::of(b"an award nobody sent"),
-        job_id: award.job_id,
-        task: award.task,
-        rank: award.rank,
-        worker,
-        epoch: award.epoch,
-        issued_at: now,
-    };
-    let keys = testkit::keys(i as u64);
     w.net.queue.clear();
-    let requester = w.net.nodes[0].address();
-    let msg = Inbound::Accept(Signed::sign(&keys, &accept).open().unwrap());
-    w.request(worker, requester, msg, now);
+    w.accept_unsent_award(worker, award.epoch, now);
     let requester = &w.net.nodes[0];
     assert_eq!(requester.refusals.last(), Some(&Refusal::NotTheAward));
     assert!(
@@ -929,27 +939,9 @@ fn a_worker_that_signs_two_acceptances_of_one_epoch_is_caught() {
     assert_eq!(w.status(0), TaskStatus::Running);
     let a = w.job().tasks()[0].ranks()[0].clone();
     let worker = a.worker;
-    let i = w
-        .net
-        .nodes
-        .iter()
-        .position(|n| n.address() == worker)
-        .unwrap();
     // Having countersigned the award, the worker signs another acceptance of the same
     // epoch naming an award that was never sent.
-    let second = LeaseAccept {
-        award: Digest::of(b"another award"),
-        job_id: w.job().id(),
-        task: 0,
-        rank: 0,
-        worker,
-        epoch: a.epoch,
-        issued_at: now,
-    };
-    let keys = testkit::keys(i as u64);
-    let requester = w.net.nodes[0].address();
-    let msg = Inbound::Accept(Signed::sign(&keys, &second).open().unwrap());
-    w.request(worker, requester, msg, now);
+    w.accept_unsent_award(worker, a.epoch, now);
     assert_eq!(w.net.nodes[0].refusals.last(), Some(&Refusal::NotTheAward));
     let evidence = w.job().accept_evidence();
     assert_eq!(evidence.len(), 1, "{evidence:?}");

@@ -223,7 +223,6 @@ async fn attack(
     let mut sockets = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     let mut job = 0u64;
-    let mut version = 1u64;
     let t0 = Timestamp(now_ms());
     let task = cannabis_market::testkit::task("flood", 1, 0, 0, 1, 1_000);
     let mut stranger_seq = 0u64;
@@ -246,36 +245,13 @@ async fn attack(
                         }
                     }
                 }
-                // Flood: ten new offers and one new version each tick (200 + 20 a second).
                 if kinds.contains(&Kind::Flood) {
-                let offer = |job: u64, seq: u64| {
-                    let mut o = cannabis_market::testkit::offer(
-                        flood_keys.address(), job, vec![task.clone()], t0, 600_000, 1_200_000,
-                    );
-                    o.seq = seq;
-                    Signed::sign(&flood_keys, &o).to_bytes()
-                };
-                for _ in 0..10 {
-                    job += 1;
                     let g = &mut flood.behaviour_mut().gossipsub;
-                    report.offers_published += u64::from(g.publish(offers.clone(), offer(1_000 + job, 1)).is_ok());
+                    report.offers_published += publish_flood(g, &offers, &flood_keys, &task, t0, &mut job);
                 }
-                version += 1;
-                let g = &mut flood.behaviour_mut().gossipsub;
-                report.offers_published += u64::from(g.publish(offers.clone(), offer(1, version)).is_ok());
-                }
-                // Garbage: bytes that decode as nothing, and an ad whose signature is not
-                // its author's.
                 if kinds.contains(&Kind::Garbage) {
-                let g = &mut garbage.behaviour_mut().gossipsub;
-                let junk = random_bytes::<64>()?.to_vec();
-                report.garbage_published += u64::from(g.publish(offers.clone(), junk).is_ok());
-                stranger_seq += 1;
-                let mut forged = Signed::sign(&stranger, &ad(&stranger, stranger_seq)).to_bytes();
-                if let Some(b) = forged.last_mut() {
-                    *b ^= 1;
-                }
-                report.garbage_published += u64::from(g.publish(ads.clone(), forged).is_ok());
+                    let g = &mut garbage.behaviour_mut().gossipsub;
+                    report.garbage_published += publish_garbage(g, &offers, &ads, &stranger, &mut stranger_seq)?;
                 }
                 // Sync pages without end, from every node at once.
                 for t in targets.iter().filter(|_| kinds.contains(&Kind::Sync)) {
@@ -384,6 +360,54 @@ async fn attack(
     }
     report.ran_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     Ok(report)
+}
+
+/// One tick of the flood from `keys`: ten offers with new job ids and a new version of
+/// offer 1 (200 and 20 a second). How many went out.
+fn publish_flood(
+    g: &mut gossipsub::Behaviour,
+    topic: &gossipsub::IdentTopic,
+    keys: &Keypair,
+    task: &cannabis_protocol::TaskSpec,
+    t0: Timestamp,
+    tick: &mut u64,
+) -> u64 {
+    let offer = |job: u64, seq: u64| {
+        let mut o = cannabis_market::testkit::offer(
+            keys.address(),
+            job,
+            vec![task.clone()],
+            t0,
+            600_000,
+            1_200_000,
+        );
+        o.seq = seq;
+        Signed::sign(keys, &o).to_bytes()
+    };
+    *tick += 1;
+    let new = (0..10).map(|k| offer(1_000 + *tick * 10 + k, 1));
+    new.chain([offer(1, *tick + 1)])
+        .map(|bytes| u64::from(g.publish(topic.clone(), bytes).is_ok()))
+        .sum()
+}
+
+/// One tick of garbage: bytes that decode as nothing on the offers topic, and an ad of
+/// `stranger` whose signature is broken. How many went out.
+fn publish_garbage(
+    g: &mut gossipsub::Behaviour,
+    offers: &gossipsub::IdentTopic,
+    ads: &gossipsub::IdentTopic,
+    stranger: &Keypair,
+    seq: &mut u64,
+) -> anyhow::Result<u64> {
+    let junk = random_bytes::<64>()?.to_vec();
+    *seq += 1;
+    let mut forged = Signed::sign(stranger, &ad(stranger, *seq)).to_bytes();
+    if let Some(b) = forged.last_mut() {
+        *b ^= 1;
+    }
+    Ok(u64::from(g.publish(offers.clone(), junk).is_ok())
+        + u64::from(g.publish(ads.clone(), forged).is_ok()))
 }
 
 /// The node a swarm event says the attacker lost (or failed to reach again).

@@ -28,7 +28,7 @@ pub(crate) struct Probe {
 
 /// How many messages past their signer's rate a peer may send before each further one
 /// counts against it: 32 at once, then 30 a minute (an honest relay sends a few at most).
-pub(crate) const OVER_RATE_SLACK: cannabis_market::rate::Rate = cannabis_market::rate::Rate {
+const OVER_RATE_SLACK: cannabis_market::rate::Rate = cannabis_market::rate::Rate {
     burst: 32,
     per_minute: 30,
 };
