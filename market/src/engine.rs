@@ -886,12 +886,12 @@ impl Market {
         match key {
             RecordKey::Ad(node) => self.view.ad(node).map(|e| Record::Ad {
                 node: *node,
-                signed: e.signed().clone(),
+                signed: e.signed(),
                 received_us: e.received_at_us(),
             }),
             RecordKey::Offer(job) => self.view.offer(job).map(|e| Record::Offer {
                 job: *job,
-                signed: e.signed().clone(),
+                signed: e.signed(),
                 received_us: e.received_at_us(),
             }),
             RecordKey::Job(id) => self.jobs.get(id).map(|j| Record::Job(Box::new(j.clone()))),
@@ -1187,7 +1187,7 @@ impl Market {
         self.check_signature(&r)?;
         self.answered.retain(|a| a != &(from, pass.seed));
         let verifier = pass.verifier;
-        self.own_passes.insert(verifier, (r.signed, r.body));
+        self.own_passes.insert(verifier, (r.signed(), r.body));
         self.out.dirty(RecordKey::Pass(verifier));
         self.prune_passes();
         self.event(MarketEvent::PassKept { verifier });

@@ -780,7 +780,7 @@ impl Job {
                 self.accept_evidence.push(AcceptEquivocation {
                     worker: accept.worker,
                     first,
-                    second: signed.signed.clone(),
+                    second: signed.signed(),
                     at: now,
                 });
                 self.log(
@@ -801,7 +801,7 @@ impl Job {
             _ => return Err(Refusal::AwardClosed),
         }
         a.state = LeaseState::Current;
-        a.accepted = Some(signed.signed.clone());
+        a.accepted = Some(signed.signed());
         // Renew at once: the award's own expiry is short on purpose.
         a.renewal_sent = Some(now);
         let renewal = LeaseRenewal {

@@ -163,9 +163,13 @@ impl AdEntry {
     pub fn ad(&self) -> &CapabilityAd {
         &self.item.body
     }
-    /// The signed message, as received.
-    pub fn signed(&self) -> &Signed<CapabilityAd> {
-        &self.item.signed
+    /// The signed message, as received (re-encoded from what is held).
+    pub fn signed(&self) -> Signed<CapabilityAd> {
+        self.item.signed()
+    }
+    /// Its signed payload's length, in bytes.
+    pub fn size(&self) -> usize {
+        self.item.size()
     }
     /// Its message id.
     pub fn id(&self) -> Digest {
@@ -189,9 +193,13 @@ impl OfferEntry {
     pub fn offer(&self) -> &JobOffer {
         &self.item.body
     }
-    /// The signed message, as received.
-    pub fn signed(&self) -> &Signed<JobOffer> {
-        &self.item.signed
+    /// The signed message, as received (re-encoded from what is held).
+    pub fn signed(&self) -> Signed<JobOffer> {
+        self.item.signed()
+    }
+    /// Its signed payload's length, in bytes.
+    pub fn size(&self) -> usize {
+        self.item.size()
     }
     /// Its message id.
     pub fn id(&self) -> Digest {
@@ -432,8 +440,8 @@ impl View {
         {
             return Verdict::Ignore(IgnoreReason::RateLimited);
         }
-        let size = item.signed.payload().len();
-        let freed = held.map_or(0, |h| h.signed().payload().len());
+        let size = item.size();
+        let freed = held.map_or(0, OfferEntry::size);
         let Some(evict) = self.room_for(&signer, size, freed) else {
             return Verdict::Ignore(IgnoreReason::Full);
         };
@@ -483,7 +491,7 @@ impl View {
                 if over == 0 || left <= mine || top == *signer {
                     break;
                 }
-                let b = self.offers[&job].signed().payload().len();
+                let b = self.offers[&job].size();
                 evict.push(job);
                 left -= b;
                 over = over.saturating_sub(b);
@@ -524,12 +532,7 @@ impl View {
         let e = self.offers.remove(job)?;
         let (signer, expires_at) = (e.offer().requester, e.offer().expires_at);
         self.expiries.remove(&(expires_at, Held::Offer(*job)));
-        self.hold(
-            signer,
-            e.signed().payload().len(),
-            (expires_at, *job),
-            false,
-        );
+        self.hold(signer, e.size(), (expires_at, *job), false);
         Some(e)
     }
 
@@ -881,7 +884,7 @@ mod tests {
         // A forged copy (bad signature) is rejected without spending a's allowance.
         let forged = {
             let item = offer_item(&a, 1, 1, 1, 60_000);
-            let (payload, signer, mut sig) = item.signed.clone().into_parts();
+            let (payload, signer, mut sig) = item.signed().into_parts();
             sig.0[0] ^= 1;
             Arc::new(
                 Signed::<JobOffer>::from_parts(payload, signer, sig)
@@ -945,10 +948,7 @@ mod tests {
 
     #[test]
     fn a_full_view_pushes_out_the_largest_holder_never_a_smaller_one() {
-        let size = offer_item(&keys(1), 1, 1, 200, 60_000)
-            .signed
-            .payload()
-            .len();
+        let size = offer_item(&keys(1), 1, 1, 200, 60_000).size();
         let mut v = limited(ViewConfig {
             // Room for ten (sizes differ by a few bytes with their numbers).
             max_offer_bytes: 10 * size + size / 2,

@@ -71,16 +71,21 @@ pub struct Verified<T> {
 /// from workers the offer did not draw) before it spends a signature check on them. It
 /// proves nothing: nothing is kept, forwarded or acted on before [`Received::check_signature`]
 /// passed.
+///
+/// It keeps the decoded message and the signature, not the signed bytes: decoding checked
+/// that the body re-encodes to exactly those bytes, so [`Received::signed`] gives them back
+/// when they are needed (to check the signature, to serve a sync page), and a message held
+/// for days costs its decoded form only, not that and its wire bytes too.
 #[derive(Debug, Clone)]
 pub struct Received<T> {
-    /// The envelope as it arrived (to store, serve and forward).
-    pub signed: Signed<T>,
     /// The key the envelope names as signer (which the body's author must be).
     pub signer: Address,
     /// The decoded message.
     pub body: T,
     /// Its message id.
     pub id: Digest,
+    signature: SignatureBytes,
+    size: usize,
 }
 
 impl<T: Message> Received<T> {
@@ -88,23 +93,40 @@ impl<T: Message> Received<T> {
     pub fn check_signature(&self) -> Result<(), OpenError> {
         self.signer
             .verify(
-                &signing_input(T::DOMAIN, &self.signed.payload),
-                &self.signed.signature,
+                &signing_input(T::DOMAIN, &codec::encode(&self.body)),
+                &self.signature,
             )
             .map_err(OpenError::from)
+    }
+
+    /// The envelope, byte for byte as it arrived: the canonical payload re-encoded from the
+    /// body, the signer's key and the signature.
+    pub fn signed(&self) -> Signed<T> {
+        Signed::from_parts(
+            codec::encode(&self.body),
+            PublicKeyBytes(*self.signer.public_key()),
+            self.signature,
+        )
+    }
+
+    /// The signature, as it arrived.
+    pub fn signature(&self) -> &SignatureBytes {
+        &self.signature
+    }
+
+    /// The length of the signed payload as it arrived, in bytes.
+    pub fn size(&self) -> usize {
+        self.size
     }
 
     /// A message as if received from `signer`, with an all-zero signature that never
     /// verifies: for simulations that model the cost of cryptography instead of paying it.
     pub fn assumed(body: T, signer: Address) -> Self {
-        let signed = Signed::from_parts(
-            codec::encode(&body),
-            PublicKeyBytes(*signer.public_key()),
-            SignatureBytes([0; 64]),
-        );
+        let payload = codec::encode(&body);
         Self {
-            id: signed.id(),
-            signed,
+            id: Digest::of_parts(&[T::DOMAIN.as_bytes(), &[0], &payload]),
+            size: payload.len(),
+            signature: SignatureBytes([0; 64]),
             signer,
             body,
         }
@@ -207,7 +229,8 @@ impl<T: Message> Signed<T> {
         body.validate()?;
         Ok(Received {
             id: self.id(),
-            signed: self,
+            size: self.payload.len(),
+            signature: self.signature,
             signer,
             body,
         })

@@ -189,7 +189,7 @@ impl Market {
                 self.check_signature(&r)?;
                 let job = bid.job_id;
                 if let Some(j) = self.jobs.get_mut(&job) {
-                    j.equivocated(r.signed.clone(), &r.body, now);
+                    j.equivocated(r.signed(), &r.body, now);
                     self.out.dirty(RecordKey::Job(job));
                 }
                 return Err(Refusal::Equivocation);
@@ -209,11 +209,12 @@ impl Market {
         }
         let class = Class::of(spec, ad);
         let (job_id, task, worker, price) = (bid.job_id, bid.task, bid.worker, bid.price);
+        let signature = *r.signature();
         let actions = self
             .jobs
             .get_mut(&job_id)
             .ok_or(Refusal::UnknownJob(job_id))?
-            .on_bid(r.body, r.id, *r.signed.signature(), class, now)?;
+            .on_bid(r.body, r.id, signature, class, now)?;
         self.event(MarketEvent::BidTaken {
             job: job_id,
             task,

@@ -75,7 +75,7 @@ struct Wire {
 
 /// Encodes a signed message as its sender would and decodes it as its receiver would.
 fn over_the_wire<T: Message>(item: &Received<T>) -> anyhow::Result<(Received<T>, usize)> {
-    let bytes = item.signed.to_bytes();
+    let bytes = item.signed().to_bytes();
     let received = Signed::<T>::from_bytes(&bytes)
         .with_context(|| format!("decoding the {}", T::KIND))?
         .open()
@@ -354,7 +354,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         ),
     )?;
     // A tampered copy of the bid is refused.
-    let mut forged = bid.signed.to_bytes();
+    let mut forged = bid.signed().to_bytes();
     let last = forged.len() - 1;
     forged[last] ^= 1;
     let refusal = match Signed::<Bid>::from_bytes(&forged).map(|s| s.verify()) {

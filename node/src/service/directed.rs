@@ -359,22 +359,22 @@ impl Node {
         match request {
             SyncRequest::Ads { after } => {
                 for e in view.ads_after(after.as_ref()) {
-                    size += e.signed().payload().len() + 128;
+                    size += e.size() + 128;
                     if size > SYNC_PAGE_BYTES {
                         page.more = true;
                         break;
                     }
-                    page.ads.push(e.signed().clone());
+                    page.ads.push(e.signed());
                 }
             }
             SyncRequest::Offers { after } => {
                 for e in view.offers_after(after.as_ref()) {
-                    size += e.signed().payload().len() + 128;
+                    size += e.size() + 128;
                     if size > SYNC_PAGE_BYTES {
                         page.more = true;
                         break;
                     }
-                    page.offers.push(e.signed().clone());
+                    page.offers.push(e.signed());
                 }
             }
         }

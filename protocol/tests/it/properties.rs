@@ -118,6 +118,13 @@ fn check_tamper<T: Message + PartialEq + std::fmt::Debug>(
     let keys = Keypair::from_secret(seed);
     let signed = Signed::sign(&keys, body);
     let mut wire = signed.to_bytes();
+    // A received message keeps the body and the signature, not the bytes: it gives back
+    // exactly the bytes that arrived, and its signature checks over them.
+    if let Ok(Ok(received)) = Signed::<T>::from_bytes(&wire).map(Signed::open) {
+        prop_assert!(received.signed().to_bytes() == wire);
+        prop_assert!(received.check_signature().is_ok());
+        prop_assert_eq!(received.size(), signed.payload().len());
+    }
     let i = index.index(wire.len());
     wire[i] ^= delta;
     let outcome = Signed::<T>::from_bytes(&wire).map(|s| s.verify());
