@@ -443,14 +443,37 @@ impl Node {
                     .kad
                     .add_address(&peer, addr.clone());
             }
-            if let Err(e) = self.swarm.dial(addr.clone()) {
-                warn!(%addr, error = %e, "cannot dial bootstrap peer");
-            }
+            self.dial_bootstrap(addr);
         }
         if !self.config.bootstrap.is_empty()
             && let Err(e) = self.swarm.behaviour_mut().kad.bootstrap()
         {
             debug!(error = %e, "kademlia bootstrap not started");
+        }
+    }
+
+    /// Dials a bootstrap peer unless it is connected or being dialed. A dial by address
+    /// alone always dials: next to Kademlia's own dial of the same peer it made a third
+    /// connection, which the per-peer limit refused, and Kademlia takes a refused dial for
+    /// a peer that failed: the start-up lookup ended with no peer found, and the node was
+    /// left with its bootstrap peer only.
+    fn dial_bootstrap(&mut self, addr: Multiaddr) {
+        use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+        let opts = match addr.iter().last() {
+            Some(libp2p::multiaddr::Protocol::P2p(peer)) => {
+                if self.swarm.is_connected(&peer) || self.dialing.contains(&peer) {
+                    return;
+                }
+                self.dialing.insert(peer);
+                DialOpts::peer_id(peer)
+                    .addresses(vec![addr.clone()])
+                    .condition(PeerCondition::DisconnectedAndNotDialing)
+                    .build()
+            }
+            _ => DialOpts::unknown_peer_id().address(addr.clone()).build(),
+        };
+        if let Err(e) = self.swarm.dial(opts) {
+            debug!(%addr, error = %e, "cannot dial bootstrap peer");
         }
     }
 
@@ -876,6 +899,10 @@ impl Node {
             uptime_secs: self.started.elapsed().as_secs(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             safe_mode: self.safe_mode.clone(),
+            probing: self.software.is_none()
+                || self.probe.is_none()
+                || self.executor.borrow().is_none()
+                || self.ad_due.is_some(),
         }
     }
 
@@ -1051,11 +1078,17 @@ impl Node {
                 .kbuckets()
                 .flat_map(|b| b.iter().map(|e| *e.node.key.preimage()).collect::<Vec<_>>())
                 .collect();
+            let few = known.len() < TARGET_PEERS;
             for peer in known {
                 self.maybe_dial(peer);
             }
             for addr in self.config.bootstrap.clone() {
-                let _ = self.swarm.dial(addr);
+                self.dial_bootstrap(addr);
+            }
+            // Few peers known (the start-up lookup found nobody, say, its only peer too
+            // busy to answer): look again rather than wait minutes for Kademlia's round.
+            if few && connected > 0 {
+                let _ = self.swarm.behaviour_mut().kad.bootstrap();
             }
         }
         let limit = 2 * TARGET_PEERS;

@@ -80,17 +80,33 @@ impl Testnet {
             nodes: Vec::new(),
         };
         let fee_recipient = founder(opts)?;
+        // Every node's keys at once: one `keys new` after another took a quarter of a
+        // 100-node start, each slower than the last as the nodes already up took the CPU.
+        make_keys(opts)?;
+        // From here on, a failure stops what was started (dropping `net` stops its nodes).
         let first = spawn(opts, 0, None, &fee_recipient)?;
         let bootstrap = dial_addr(&first.info)?;
         net.nodes.push(first);
         // Start the rest together, then wait for each.
         let mut starting = Vec::new();
-        for i in 1..opts.nodes {
+        let started = (1..opts.nodes).try_for_each(|i| {
             starting.push(start_process(opts, i, Some(&bootstrap), &fee_recipient)?);
-        }
-        for (i, (data_dir, child)) in starting.into_iter().enumerate() {
-            let node = wait_ready(i + 1, data_dir, child, opts.ready_timeout)?;
-            net.nodes.push(node);
+            anyhow::Ok(())
+        });
+        let mut starting = starting.into_iter().enumerate();
+        let ready = started.and_then(|()| {
+            for (i, (data_dir, child)) in starting.by_ref() {
+                net.nodes
+                    .push(wait_ready(i + 1, data_dir, child, opts.ready_timeout)?);
+            }
+            anyhow::Ok(())
+        });
+        if let Err(e) = ready {
+            for (_, (_, mut child)) in starting {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            return Err(e);
         }
         net.write_record()?;
         Ok(net)
@@ -127,8 +143,9 @@ impl Testnet {
             .with_context(|| format!("writing {}", path.display()))
     }
 
-    /// Waits until every node holds every node's capability ad and has a gossip mesh:
-    /// the network is connected end to end.
+    /// Waits until every node has probed its machine, holds every node's latest
+    /// capability ad and has a gossip mesh: the network is connected end to end, and
+    /// every node sees what every other offers.
     pub fn wait_converged(&self, timeout: Duration) -> anyhow::Result<Duration> {
         let started = Instant::now();
         let n = self.nodes.len();
@@ -137,12 +154,12 @@ impl Testnet {
             for node in &self.nodes {
                 let status = node.client.status()?;
                 let meshed = n == 1 || status.mesh_peers.iter().all(|t| t.peers > 0);
-                if status.ads < n || !meshed {
+                if status.ads < n || !meshed || status.probing {
                     done = false;
                     break;
                 }
             }
-            if done {
+            if done && self.latest_ads_everywhere()? {
                 return Ok(started.elapsed());
             }
             if started.elapsed() > timeout {
@@ -157,6 +174,31 @@ impl Testnet {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// Whether every node holds every node's ad as that node last published it (a node
+    /// seen only by the ad it sent before probing its machine is not seen yet).
+    fn latest_ads_everywhere(&self) -> anyhow::Result<bool> {
+        let views = self
+            .nodes
+            .iter()
+            .map(|node| {
+                let ads = node.client.ads()?;
+                anyhow::Ok(
+                    ads.into_iter()
+                        .map(|a| (a.node, a.seq))
+                        .collect::<std::collections::HashMap<_, _>>(),
+                )
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(self.nodes.iter().zip(&views).all(|(node, own_view)| {
+            let me = &node.info.address;
+            own_view.get(me).is_some_and(|latest| {
+                views
+                    .iter()
+                    .all(|view| view.get(me).is_some_and(|seq| seq >= latest))
+            })
+        }))
     }
 
     /// Stops every node: SIGTERM, then SIGKILL after five seconds.
@@ -323,6 +365,39 @@ fn spawn(
 ) -> anyhow::Result<NodeProc> {
     let (data_dir, child) = start_process(opts, index, bootstrap, fee_recipient)?;
     wait_ready(index, data_dir, child, opts.ready_timeout)
+}
+
+/// Creates the keys of every node's data directory that has none, 16 at a time.
+fn make_keys(opts: &TestnetOptions) -> anyhow::Result<()> {
+    let missing: Vec<(usize, PathBuf)> = (0..opts.nodes)
+        .map(|i| (i, opts.dir.join(format!("node-{i}"))))
+        .filter(|(_, dir)| !dir.join("keys/node.key").exists())
+        .collect();
+    for batch in missing.chunks(16) {
+        let mut running = Vec::new();
+        for (i, dir) in batch {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            let child = Command::new(&opts.binary)
+                .arg("--data-dir")
+                .arg(dir)
+                .args(["keys", "new"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("running {}", opts.binary.display()))?;
+            running.push((*i, child));
+        }
+        for (i, child) in running {
+            let out = child.wait_with_output()?;
+            anyhow::ensure!(
+                out.status.success(),
+                "creating keys for node {i}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Creates the keys of a data directory unless it has them.

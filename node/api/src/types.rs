@@ -32,6 +32,10 @@ pub struct Status {
     /// takes no gossip, market request or job until writes go through again.
     #[serde(default)]
     pub safe_mode: Option<String>,
+    /// Whether the node is still finding out what it offers (its executor opening, its
+    /// runtimes probed) or about to publish a new ad: what others see of it may change.
+    #[serde(default)]
+    pub probing: bool,
 }
 
 /// Mesh size of one topic.

@@ -42,6 +42,14 @@ pub(super) fn run(
                 ("uptime", format!("{} s", s.uptime_secs)),
                 ("version", s.version.clone()),
                 (
+                    "capabilities",
+                    if s.probing {
+                        "still probing this machine (its ad will change)".to_string()
+                    } else {
+                        "probed and advertised".to_string()
+                    },
+                ),
+                (
                     "safe mode",
                     s.safe_mode.as_ref().map_or_else(
                         || "no".to_string(),

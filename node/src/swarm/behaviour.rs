@@ -180,9 +180,17 @@ impl Behaviour {
 /// peer whose control message is bigger is not read any more. Ours must stay under it.
 const CONTROL_MESSAGE_CAP: usize = 16 * 1024;
 
-/// Message ids one control message of ours names at most: each id is 32 bytes (SHA-256)
-/// and 2 of protobuf framing, with room for the topic and the envelope.
-const CONTROL_IDS: usize = (CONTROL_MESSAGE_CAP - 512) / 34;
+/// Messages queued for one peer (see `gossip_config`).
+const SEND_QUEUE: usize = 200;
+
+/// Message ids one control message of ours names at most, and the most messages the node
+/// asks one peer for in a heartbeat (gossipsub uses one setting for both). Each id is 32
+/// bytes (SHA-256) and 2 of protobuf framing, so 64 are far under the cap. And 64 leaves
+/// most of the peer's queue for us to its mesh traffic: a peer asked for more than it can
+/// queue (466 at first) drops some, and each one it drops is a promise broken, which
+/// gossipsub counts against it squared (P7). On a 100-node testnet starting on two cores,
+/// nodes graylisted their busy bootstrap peer that way and never converged.
+const CONTROL_IDS: usize = 64;
 
 /// Room for gossipsub's own fields around a payload (topic name, author, sequence number).
 const GOSSIP_FIELDS: usize = 512;
@@ -217,7 +225,7 @@ fn gossip_config(
         // Messages queued for one peer: a peer that stops reading holds at most this many
         // (each within its topic's cap: at most 12 MiB of offers), and each one refused
         // past them counts against it (P8).
-        .connection_handler_queue_len(200)
+        .connection_handler_queue_len(SEND_QUEUE)
         // gossipsub names up to 5,000 ids in one IHAVE or IWANT, which is 160 KiB: a peer
         // would stop reading us. At most as many as fit the cap.
         .max_control_messages_sent(CONTROL_IDS)
@@ -264,7 +272,8 @@ mod tests {
     use super::*;
 
     /// Every control message the node sends fits what a peer reads (16 KiB): the ids it
-    /// names, their framing, the longest topic name and the envelope.
+    /// names, their framing, the longest topic name and the envelope; and the messages it
+    /// asks a peer for at once fit what the peer queues for it.
     #[test]
     fn the_nodes_own_control_messages_fit_what_peers_read() {
         let config = NodeConfig::default();
@@ -272,9 +281,13 @@ mod tests {
         let g = gossip_config(&config, &topics).unwrap();
         let longest_topic = topics.all().map(|(h, _)| h.as_str().len()).max().unwrap();
         let ids = g.max_control_messages_sent();
+        assert!(ids >= 32, "{ids} ids a heartbeat are too few to gossip");
+        // What the node asks a peer for in one heartbeat fits the peer's queue for it,
+        // with room for the peer's mesh traffic to it: else an honest peer breaks promises.
         assert!(
-            ids >= 256,
-            "{ids} ids a message is too few to gossip a busy topic"
+            ids <= g.connection_handler_queue_len() / 2,
+            "the node asks a peer for {ids} messages a heartbeat, and a peer queues {}",
+            g.connection_handler_queue_len()
         );
         let biggest = ids * (32 + 2) + longest_topic + 64;
         assert!(
