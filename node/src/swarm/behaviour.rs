@@ -226,8 +226,8 @@ fn gossip_config(
         // (each within its topic's cap: at most 12 MiB of offers), and each one refused
         // past them counts against it (P8).
         .connection_handler_queue_len(SEND_QUEUE)
-        // gossipsub names up to 5,000 ids in one IHAVE or IWANT, which is 160 KiB: a peer
-        // would stop reading us. At most as many as fit the cap.
+        // gossipsub's default is 5,000 ids in one IHAVE or IWANT (160 KiB: a peer would
+        // stop reading us); see `CONTROL_IDS`.
         .max_control_messages_sent(CONTROL_IDS)
         .max_control_message_size(CONTROL_MESSAGE_CAP)
         .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
