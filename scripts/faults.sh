@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-3}"
-filter='test(/^hostile::|^disk::|fuzz_inputs|^bad_input::|^view::tests|^lease::tests|^clock::tests|^service::challenge::tests|^service::gossip::tests|^service::directed::tests|^service::tests|custom_code_needs|a_worker_that_signs_two_bids|an_acceptance_of_an_award_never_sent|identify_says_what_the_spec_says|the_specs_examples|offers_carry_the_networks_fee_terms|a_change_to_a_job_writes_only|a_job_kept_whole_loads|a_job_is_its_parts|own_control_messages_fit|past_the_offer_rate|two_acceptances_of_one_epoch|an_offer_held_costs_about/)'
+filter='test(/^hostile::|^disk::|fuzz_inputs|^bad_input::|^view::tests|^lease::tests|^clock::tests|^service::challenge::tests|^service::gossip::tests|^service::directed::tests|^service::tests|custom_code_needs|a_worker_that_signs_two_bids|an_acceptance_of_an_award_never_sent|identify_says_what_the_spec_says|the_specs_examples|offers_carry_the_networks_fee_terms|a_change_to_a_job_writes_only|a_job_kept_whole_loads|a_job_is_its_parts|own_control_messages_fit|past_the_offer_rate|two_acceptances_of_one_epoch|an_offer_held_costs_about|a_burst_is_forgiven/)'
 
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT

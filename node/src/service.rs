@@ -207,6 +207,8 @@ pub(crate) struct Node {
     /// the connections it aims for, or a burst of discoveries dials everyone.
     dialing: std::collections::HashSet<PeerId>,
     app_scores: HashMap<PeerId, f64>,
+    /// Graylisted peers refused at their handshake, oldest first (see `drop_graylisted`).
+    blocked: std::collections::VecDeque<PeerId>,
     /// Runtimes and collectives, once probed.
     software: Option<Software>,
     /// The machine as last probed.
@@ -250,6 +252,10 @@ fn give_back_memory() {
 
 /// How often the node does its upkeep.
 const UPKEEP: Duration = crate::clock::SLEW_EVERY;
+
+/// Graylisted peers refused at the handshake at most (a key costs an attacker nothing, so
+/// the list is bounded; one let out early is refused again after its next graylisting).
+const MAX_BLOCKED: usize = 4096;
 
 /// Decays every score by `APP_DECAY` a second over `over`, dropping those within 1 of 0;
 /// returns the new scores to tell gossipsub.
@@ -343,6 +349,7 @@ pub async fn start(
         connections: HashMap::new(),
         dialing: std::collections::HashSet::new(),
         app_scores: HashMap::new(),
+        blocked: std::collections::VecDeque::new(),
         software: None,
         probe: None,
         ad_unheard: false,
@@ -903,6 +910,7 @@ impl Node {
                 || self.probe.is_none()
                 || self.executor.borrow().is_none()
                 || self.ad_due.is_some(),
+            refused_peers: self.blocked.len(),
         }
     }
 
@@ -967,6 +975,7 @@ impl Node {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
                 if self.graylisted(&peer_id) {
                     debug!(peer = %peer_id, "graylisted peer came back: disconnected");
+                    self.block(peer_id);
                     let _ = self.swarm.disconnect_peer_id(peer_id);
                     return;
                 }
@@ -1175,8 +1184,12 @@ impl Node {
             .is_some_and(|s| s < swarm::GRAYLIST_THRESHOLD)
     }
 
-    /// Disconnects graylisted peers: they cost CPU and give nothing. (Gossipsub keeps a
-    /// peer's score for an hour after it leaves, so one that comes back is let go again.)
+    /// Disconnects graylisted peers, and refuses them at the handshake while they stay
+    /// graylisted: they cost CPU and give nothing. One that comes back at once would
+    /// otherwise get the identify, Kademlia and gossipsub exchanges of a new peer before
+    /// it is let go again (gossipsub keeps a departed peer's score, undecayed, for an
+    /// hour). A peer whose score is back above the threshold, or forgotten, may connect
+    /// again. The list holds at most `MAX_BLOCKED` peers, the oldest let out first.
     fn drop_graylisted(&mut self) {
         let bad: Vec<PeerId> = self
             .connections
@@ -1186,7 +1199,29 @@ impl Node {
             .collect();
         for peer in bad {
             info!(%peer, "graylisted: disconnected");
+            self.block(peer);
             let _ = self.swarm.disconnect_peer_id(peer);
+        }
+        let mut blocked = std::mem::take(&mut self.blocked);
+        blocked.retain(|peer| {
+            let still = self.graylisted(peer);
+            if !still {
+                debug!(%peer, "no longer graylisted: may connect again");
+                self.swarm.behaviour_mut().blocked.unblock_peer(*peer);
+            }
+            still
+        });
+        self.blocked = blocked;
+    }
+
+    fn block(&mut self, peer: PeerId) {
+        if self.swarm.behaviour_mut().blocked.block_peer(peer) {
+            self.blocked.push_back(peer);
+            if self.blocked.len() > MAX_BLOCKED
+                && let Some(oldest) = self.blocked.pop_front()
+            {
+                self.swarm.behaviour_mut().blocked.unblock_peer(oldest);
+            }
         }
     }
 

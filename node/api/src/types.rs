@@ -36,6 +36,9 @@ pub struct Status {
     /// runtimes probed) or about to publish a new ad: what others see of it may change.
     #[serde(default)]
     pub probing: bool,
+    /// Graylisted peers the node refuses at the handshake until their score recovers.
+    #[serde(default)]
+    pub refused_peers: usize,
 }
 
 /// Mesh size of one topic.

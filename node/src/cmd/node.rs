@@ -36,6 +36,13 @@ pub(super) fn run(
                 ("peer id", s.peer_id.clone()),
                 ("listening", s.listen_addrs.join(" ")),
                 ("connected peers", s.connected_peers.to_string()),
+                (
+                    "refused peers",
+                    format!(
+                        "{} (graylisted, refused until their score recovers)",
+                        s.refused_peers
+                    ),
+                ),
                 ("gossip mesh", mesh),
                 ("capability ads", s.ads.to_string()),
                 ("open offers", s.offers.to_string()),

@@ -9,8 +9,8 @@ use cannabis_protocol::{
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::{
-    PeerId, StreamProtocol, autonat, connection_limits, dcutr, gossipsub, identify, identity, kad,
-    mdns, ping, relay, request_response,
+    PeerId, StreamProtocol, allow_block_list, autonat, connection_limits, dcutr, gossipsub,
+    identify, identity, kad, mdns, ping, relay, request_response,
 };
 
 use super::codec::Codec;
@@ -38,6 +38,9 @@ pub const MAX_TRANSMIT_SIZE: usize =
 /// Everything the swarm speaks.
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
+    /// Graylisted peers: a connection to one is refused as soon as its handshake names it,
+    /// before any other protocol starts on it (the service keeps the list).
+    pub(crate) blocked: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
     pub(crate) pending: super::pending::PendingPerIp,
     pub(crate) limits: connection_limits::Behaviour,
     pub(crate) gossipsub: gossipsub::Behaviour<gossipsub::IdentityTransform, SubscriptionFilter>,
@@ -142,6 +145,7 @@ impl Behaviour {
         let rr_config = request_response::Config::default()
             .with_request_timeout(Duration::from_secs(config.limits.request_timeout_secs));
         Ok(Self {
+            blocked: allow_block_list::Behaviour::default(),
             pending: super::pending::PendingPerIp::new(config.limits.max_pending_per_ip),
             limits: connection_limits::Behaviour::new(limits),
             gossipsub,
@@ -190,7 +194,20 @@ const SEND_QUEUE: usize = 200;
 /// queue (466 at first) drops some, and each one it drops is a promise broken, which
 /// gossipsub counts against it squared (P7). On a 100-node testnet starting on two cores,
 /// nodes graylisted their busy bootstrap peer that way and never converged.
-const CONTROL_IDS: usize = 64;
+pub(super) const CONTROL_IDS: usize = 64;
+
+/// How long a message forwarded to a peer (on from the mesh, or asked for in an IWANT)
+/// waits in its queue before it is abandoned, and counted against the peer (P8).
+/// Gossipsub's default is 1 s. On a loaded node the sender's own turn to write can take
+/// longer than that: a bootstrap node on a 100-node testnet starting on two cores
+/// abandoned dozens of messages to each of its honest peers and graylisted them all. Offers
+/// and ads live for minutes, so a message a few seconds late is still worth sending.
+const FORWARD_QUEUE: Duration = Duration::from_secs(5);
+
+/// How long the node waits for a message it asked for (IWANT) before the peer that offered
+/// it has broken its promise (P7). Longer than `FORWARD_QUEUE`, so that a peer whose
+/// answer is still queued in time is not blamed.
+const IWANT_FOLLOWUP: Duration = Duration::from_secs(8);
 
 /// Room for gossipsub's own fields around a payload (topic name, author, sequence number).
 const GOSSIP_FIELDS: usize = 512;
@@ -230,6 +247,8 @@ fn gossip_config(
         // stop reading us); see `CONTROL_IDS`.
         .max_control_messages_sent(CONTROL_IDS)
         .max_control_message_size(CONTROL_MESSAGE_CAP)
+        .forward_queue_duration(FORWARD_QUEUE)
+        .iwant_followup_time(IWANT_FOLLOWUP)
         .heartbeat_interval(Duration::from_millis(config.gossip.heartbeat_millis))
         .validation_mode(gossipsub::ValidationMode::Anonymous)
         .validate_messages()
@@ -289,6 +308,9 @@ mod tests {
             "the node asks a peer for {ids} messages a heartbeat, and a peer queues {}",
             g.connection_handler_queue_len()
         );
+        // A peer whose answer to an IWANT is still queued, within its time, has not
+        // broken its promise yet.
+        assert!(g.iwant_followup_time() > g.forward_queue_duration());
         let biggest = ids * (32 + 2) + longest_topic + 64;
         assert!(
             biggest <= g.max_control_message_size() && biggest <= CONTROL_MESSAGE_CAP,

@@ -100,6 +100,13 @@ impl Topics {
 /// Below this score a peer is ignored: its gossip, its directed requests, its connections.
 pub const GRAYLIST_THRESHOLD: f64 = -80.0;
 
+/// Promises a peer may break before they count against it (P7): one heartbeat's worth of
+/// asks.
+const BEHAVIOUR_PENALTY_FREE: f64 = super::behaviour::CONTROL_IDS as f64;
+
+/// Messages a peer may fail to take before they count against it (P8).
+const SLOW_PEER_FREE: f64 = 50.0;
+
 /// What the count of a peer's invalid messages keeps each second.
 pub const INVALID_DECAY: f64 = 0.98;
 
@@ -148,16 +155,25 @@ pub fn peer_score(
         // raise the threshold.
         ip_colocation_factor_weight: -10.0,
         ip_colocation_factor_threshold: ip_colocation_threshold,
-        // P7: protocol misbehaviour (broken promises, GRAFT floods).
-        behaviour_penalty_weight: -10.0,
-        behaviour_penalty_threshold: 6.0,
+        // P7: protocol misbehaviour: promises broken (messages offered in IHAVE and not
+        // delivered within `IWANT_FOLLOWUP`) and GRAFTs during a backoff. An honest peer
+        // that is busy (a bootstrap node that every new node talks to at once, on a loaded
+        // machine) breaks a whole heartbeat's worth of promises at once, so one heartbeat's
+        // worth (`CONTROL_IDS`) is free; past it each one costs its excess squared, so a
+        // peer that keeps offering what it never sends is graylisted within a few
+        // heartbeats. The count keeps 90% a second.
+        behaviour_penalty_weight: -1.0,
+        behaviour_penalty_threshold: BEHAVIOUR_PENALTY_FREE,
         behaviour_penalty_decay: 0.9,
-        // P8: a peer that does not read what it is sent in time (its queue of 200 full, or
-        // messages abandoned after a second): past 10 such messages, -4 each, keeping 90%
-        // a second. One that stops reading altogether is graylisted within about 30
-        // messages past its queue, and then disconnected, instead of pinning the queue.
+        // P8: a peer that does not take what it is sent: its queue of 200 full, or a
+        // message abandoned after `FORWARD_QUEUE` (our own, after gossipsub's 5 s). Past 50
+        // such messages, -4 each, keeping 90% a second. A peer that stops reading
+        // altogether is graylisted about 70 messages past its queue, and then
+        // disconnected, instead of pinning the queue. The allowance is for a peer that is
+        // only slow: a node whose own CPU is starved cannot send in time either, and that
+        // is no fault of the peer's.
         slow_peer_weight: -4.0,
-        slow_peer_threshold: 10.0,
+        slow_peer_threshold: SLOW_PEER_FREE,
         slow_peer_decay: 0.9,
         decay_interval: Duration::from_secs(1),
         decay_to_zero: 0.01,
@@ -172,4 +188,63 @@ pub fn peer_score(
         opportunistic_graft_threshold: 5.0,
     };
     (params, thresholds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What P7 or P8 takes from a peer's score, as gossipsub counts it: the excess of the
+    /// count over its threshold, squared for P7, times the weight.
+    fn penalty(count: f64, threshold: f64, weight: f64, squared: bool) -> f64 {
+        let excess = (count - threshold).max(0.0);
+        weight * if squared { excess * excess } else { excess }
+    }
+
+    /// A busy honest peer's burst costs it nothing; a peer that keeps misbehaving is
+    /// graylisted within a few heartbeats.
+    #[test]
+    fn a_burst_is_forgiven_and_a_habit_is_not() {
+        let (p, t) = peer_score(10.0, &Topics::new(1));
+        let heartbeat = 0.7_f64;
+        // P7: one heartbeat's worth of broken promises (every id asked for) is free.
+        let burst = super::super::behaviour::CONTROL_IDS as f64;
+        let free = penalty(
+            burst,
+            p.behaviour_penalty_threshold,
+            p.behaviour_penalty_weight,
+            true,
+        );
+        assert_eq!(free, 0.0);
+        // A liar breaking every promise each heartbeat is graylisted by the third.
+        let mut count = 0.0;
+        let mut graylisted_at = None;
+        for beat in 1..=10 {
+            count = count * p.behaviour_penalty_decay.powf(heartbeat) + burst;
+            let score = penalty(
+                count,
+                p.behaviour_penalty_threshold,
+                p.behaviour_penalty_weight,
+                true,
+            );
+            if score < t.graylist_threshold {
+                graylisted_at = Some(beat);
+                break;
+            }
+        }
+        assert!(graylisted_at.is_some_and(|b| b <= 3), "{graylisted_at:?}");
+        // P8: 50 messages not taken are free; a peer that takes none of the 750 a stalled
+        // reader is sent in the hostile test is graylisted within 80 past its allowance.
+        assert_eq!(
+            penalty(50.0, p.slow_peer_threshold, p.slow_peer_weight, false),
+            0.0
+        );
+        let at = (51..=750)
+            .find(|n| {
+                penalty(*n as f64, p.slow_peer_threshold, p.slow_peer_weight, false)
+                    < t.graylist_threshold
+            })
+            .unwrap();
+        assert!(at <= 80, "{at}");
+    }
 }

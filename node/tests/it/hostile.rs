@@ -756,6 +756,34 @@ async fn a_peer_that_keeps_sending_invalid_messages_stays_penalized() {
     assert!(scores.iter().all(|s| *s < -50.0), "scores {scores:?}");
     // A graylisted peer does not stay connected: A's upkeep (every 10 s) let it go.
     assert_eq!(scores.last(), Some(&f64::NEG_INFINITY), "scores {scores:?}");
+    // Nor does it get back in: each time it dials again, A refuses the connection as soon
+    // as the handshake names the peer, before gossipsub (or any other protocol) starts on
+    // it, so A never tells it what A subscribes to.
+    let (mut connected, mut closed, mut told) = (0, 0, 0);
+    for _ in 0..5 {
+        hostile.dial(a.addr.clone()).unwrap();
+        let _ = tokio::time::timeout(Duration::from_millis(1_000), async {
+            loop {
+                match hostile.select_next_some().await {
+                    SwarmEvent::ConnectionEstablished { .. } => connected += 1,
+                    SwarmEvent::ConnectionClosed { .. } => closed += 1,
+                    SwarmEvent::Behaviour(HostileEvent::Gossipsub(
+                        gossipsub::Event::Subscribed { .. },
+                    )) => told += 1,
+                    _ => {}
+                }
+            }
+        })
+        .await;
+    }
+    assert_eq!(
+        told, 0,
+        "A told a graylisted peer its subscriptions ({connected} connections, {closed} closed)"
+    );
+    assert_eq!(
+        connected, closed,
+        "A kept a graylisted peer's connection open"
+    );
     drop(hostile);
     a.stop().await;
 }
@@ -923,6 +951,77 @@ async fn a_peer_that_stops_reading_is_penalized_and_let_go() {
     assert!(outcome < -80.0);
     drop(hostile);
     c.stop().await;
+    b.stop().await;
+    a.stop().await;
+}
+
+/// A peer that is honest but slow (a busy machine that reads in bursts, pausing for
+/// seconds between them) is kept, and gets every offer: what is forwarded to it waits in
+/// its queue for it instead of being abandoned and counted against it. With gossipsub's
+/// default of 1 s for a forwarded message to wait, the node abandoned most of them and
+/// graylisted the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_reads_slowly_is_kept_and_gets_every_offer() {
+    const ROUNDS: usize = 5;
+    const PER_ROUND: usize = 30;
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let b = net::start(&dir.path().join("b"), Some(&a.addr)).await;
+    net::wait_converged(&[&a, &b], 2).await;
+    let mut slow = subscribed_hostile(&a, rand_secret()).await;
+    let slow_id = slow.local_peer_id().to_string();
+    let offers = Topics::new(1).ident(Topic::Offers { shard: 0 }).hash();
+    let mut got = std::collections::HashSet::new();
+    let read = async |slow: &mut libp2p::Swarm<Hostile>,
+                      got: &mut std::collections::HashSet<Vec<u8>>,
+                      ms: u64| {
+        let _ = tokio::time::timeout(Duration::from_millis(ms), async {
+            loop {
+                if let SwarmEvent::Behaviour(HostileEvent::Gossipsub(gossipsub::Event::Message {
+                    message,
+                    ..
+                })) = slow.select_next_some().await
+                    && message.topic == offers
+                {
+                    got.insert(message.data);
+                }
+            }
+        })
+        .await;
+    };
+    // A few heartbeats, for the peer to join A's mesh.
+    read(&mut slow, &mut got, 2_000).await;
+    // B publishes; A forwards to the peer, which reads for a second and a half, then
+    // pauses for two and a half, and again (about 1.5 MB a round).
+    for round in 0..ROUNDS {
+        for k in 0..PER_ROUND {
+            let mut t = cannabis_testnet::bench::bench_offer(round * PER_ROUND + k);
+            t.tasks[0].workload.entrypoint.push("x".repeat(50_000));
+            b.handle.publish_offer(t).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        read(&mut slow, &mut got, 1_500).await;
+    }
+    let all = ROUNDS * PER_ROUND;
+    for _ in 0..20 {
+        if got.len() >= all {
+            break;
+        }
+        read(&mut slow, &mut got, 1_000).await;
+    }
+    let peers = a.handle.peers().await.unwrap();
+    let kept = peers.iter().find(|p| p.peer_id == slow_id);
+    assert!(
+        kept.is_some_and(|p| p.score > -10.0),
+        "A let the slow peer go or penalized it: {kept:?}"
+    );
+    assert_eq!(
+        got.len(),
+        all,
+        "the slow peer got {} of {all} offers",
+        got.len()
+    );
+    drop(slow);
     b.stop().await;
     a.stop().await;
 }
