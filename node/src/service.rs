@@ -1198,9 +1198,7 @@ impl Node {
             .copied()
             .collect();
         for peer in bad {
-            info!(%peer, "graylisted: disconnected");
-            self.block(peer);
-            let _ = self.swarm.disconnect_peer_id(peer);
+            self.let_go(peer);
         }
         let mut blocked = std::mem::take(&mut self.blocked);
         blocked.retain(|peer| {
@@ -1212,6 +1210,21 @@ impl Node {
             still
         });
         self.blocked = blocked;
+    }
+
+    /// Lets a graylisted peer go at once (the upkeep finds any that fell below by their
+    /// score decaying): the moment it is penalized below the threshold, not up to an upkeep
+    /// later. A flood's key held on to for those seconds went on costing every node.
+    pub(super) fn let_go_if_graylisted(&mut self, peer: PeerId) {
+        if self.connections.contains_key(&peer) && self.graylisted(&peer) {
+            self.let_go(peer);
+        }
+    }
+
+    fn let_go(&mut self, peer: PeerId) {
+        info!(%peer, "graylisted: disconnected");
+        self.block(peer);
+        let _ = self.swarm.disconnect_peer_id(peer);
     }
 
     fn block(&mut self, peer: PeerId) {
@@ -1234,6 +1247,7 @@ impl Node {
             .gossipsub
             .set_application_score(&peer, score);
         warn!(%peer, score, why, "peer penalized");
+        self.let_go_if_graylisted(peer);
     }
 }
 

@@ -146,10 +146,14 @@ impl Node {
                 MessageAcceptance::Reject
             }
         };
+        let rejected = acceptance == MessageAcceptance::Reject;
         self.swarm
             .behaviour_mut()
             .gossipsub
             .report_message_validation_result(&message_id, &peer, acceptance);
+        if rejected {
+            self.let_go_if_graylisted(peer);
+        }
     }
 
     /// Probes the machine off the driver; the driver publishes the ad when it is back.

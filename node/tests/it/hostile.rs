@@ -788,6 +788,29 @@ async fn a_peer_that_keeps_sending_invalid_messages_stays_penalized() {
     a.stop().await;
 }
 
+/// A peer is let go the moment its score falls below the graylist threshold, not at the
+/// node's next upkeep (every 10 s, so up to 10 s later): one invalid message, and its
+/// connection closes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_is_let_go_the_moment_it_is_graylisted() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = net::start(&dir.path().join("a"), None).await;
+    let mut hostile = subscribed_hostile(&a, rand_secret()).await;
+    let topic = Topics::new(1).ident(Topic::Offers { shard: 0 });
+    hostile
+        .behaviour_mut()
+        .gossipsub
+        .publish(topic, b"not an offer".to_vec())
+        .unwrap();
+    drive_until(&mut hostile, 2, "A to let the peer go", |e| {
+        matches!(e, SwarmEvent::ConnectionClosed { .. }).then_some(())
+    })
+    .await;
+    assert_eq!(a.handle.status().await.unwrap().refused_peers, 1);
+    drop(hostile);
+    a.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_asking_for_sync_pages_without_end_is_served_its_allowance() {
     let dir = tempfile::tempdir().unwrap();
