@@ -784,6 +784,7 @@ async fn a_peer_that_keeps_sending_invalid_messages_stays_penalized() {
         connected, closed,
         "A kept a graylisted peer's connection open"
     );
+    assert_eq!(a.handle.status().await.unwrap().refused_peers, 1);
     drop(hostile);
     a.stop().await;
 }
