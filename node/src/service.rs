@@ -974,9 +974,8 @@ impl Node {
             } => {
                 debug!(peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
                 if self.graylisted(&peer_id) {
-                    debug!(peer = %peer_id, "graylisted peer came back: disconnected");
-                    self.block(peer_id);
-                    let _ = self.swarm.disconnect_peer_id(peer_id);
+                    // Graylisted while away: refused from now on.
+                    self.let_go(peer_id);
                     return;
                 }
                 self.dialing.remove(&peer_id);

@@ -371,16 +371,12 @@ fn spawn(
 fn make_keys(opts: &TestnetOptions) -> anyhow::Result<()> {
     let missing: Vec<(usize, PathBuf)> = (0..opts.nodes)
         .map(|i| (i, opts.dir.join(format!("node-{i}"))))
-        .filter(|(_, dir)| !dir.join("keys/node.key").exists())
+        .filter(|(_, dir)| !has_keys(dir))
         .collect();
     for batch in missing.chunks(16) {
         let mut running = Vec::new();
         for (i, dir) in batch {
-            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-            let child = Command::new(&opts.binary)
-                .arg("--data-dir")
-                .arg(dir)
-                .args(["keys", "new"])
+            let child = keys_new(&opts.binary, dir)?
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
@@ -389,12 +385,7 @@ fn make_keys(opts: &TestnetOptions) -> anyhow::Result<()> {
             running.push((*i, child));
         }
         for (i, child) in running {
-            let out = child.wait_with_output()?;
-            anyhow::ensure!(
-                out.status.success(),
-                "creating keys for node {i}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            keys_made(&child.wait_with_output()?, &format!("node {i}"))?;
         }
     }
     Ok(())
@@ -402,20 +393,33 @@ fn make_keys(opts: &TestnetOptions) -> anyhow::Result<()> {
 
 /// Creates the keys of a data directory unless it has them.
 fn ensure_keys(binary: &Path, data_dir: &Path, who: &str) -> anyhow::Result<()> {
-    fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-    if !data_dir.join("keys/node.key").exists() {
-        let out = Command::new(binary)
-            .arg("--data-dir")
-            .arg(data_dir)
-            .args(["keys", "new"])
-            .output()
-            .with_context(|| format!("running {}", binary.display()))?;
-        anyhow::ensure!(
-            out.status.success(),
-            "creating keys for {who}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    if has_keys(data_dir) {
+        return Ok(());
     }
+    let out = keys_new(binary, data_dir)?
+        .output()
+        .with_context(|| format!("running {}", binary.display()))?;
+    keys_made(&out, who)
+}
+
+fn has_keys(data_dir: &Path) -> bool {
+    data_dir.join("keys/node.key").exists()
+}
+
+/// `cannabis keys new` for `data_dir`, which it creates.
+fn keys_new(binary: &Path, data_dir: &Path) -> anyhow::Result<Command> {
+    fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    let mut cmd = Command::new(binary);
+    cmd.arg("--data-dir").arg(data_dir).args(["keys", "new"]);
+    Ok(cmd)
+}
+
+fn keys_made(out: &std::process::Output, who: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        out.status.success(),
+        "creating keys for {who}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(())
 }
 
