@@ -17,6 +17,10 @@
 //! nothing by the time the assignment is retried elsewhere. The requester counts a lease
 //! as extended only when the worker acknowledged the renewal ([`Job::on_renewed`]): a
 //! worker that went away lets its lease run out on both sides, and the task is retried.
+//! A group's first renewals wait until every rank holds its lease (at most
+//! [`GROUP_RENEWAL_WAIT_MS`], and never more than a third of the award's time): while the
+//! group assembles, the requester's work goes to the awards and acceptances still open, and
+//! the renewals then go out together.
 //!
 //! Placement waits for the end of the bid window unless the job asks to be placed early
 //! ([`Early`]): as soon as enough acceptable bids are in.
@@ -36,6 +40,9 @@ pub use parts::{Head, Part, PartsError};
 
 use crate::Refusal;
 use crate::placement::{self, Candidate, Class, Infeasible, Slot};
+
+/// How long a rank of a group that is still assembling waits for its first renewal.
+pub const GROUP_RENEWAL_WAIT_MS: u64 = 2_000;
 
 /// Timing of leases.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -228,6 +235,10 @@ pub struct Assignment {
     /// another for the same epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accepted: Option<Signed<LeaseAccept>>,
+    /// While its group assembles, a current lease's first renewal waits until then (or
+    /// until every rank holds its lease).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_renewal_at: Option<Timestamp>,
 }
 
 /// One task's state.
@@ -771,6 +782,7 @@ impl Job {
             return Err(Refusal::UnknownJob(accept.job_id));
         }
         let renew_to = now.plus_ms(self.config.lease_ms).min(self.offer.deadline);
+        let wait = GROUP_RENEWAL_WAIT_MS.min(self.config.award_timeout_ms / 3);
         let (requester, job_id) = (self.offer.requester, self.offer.job_id);
         let a = self.assignment(accept.task, accept.rank, accept.epoch)?;
         if accept.worker != a.worker || accept.award != a.award {
@@ -802,22 +814,29 @@ impl Job {
         }
         a.state = LeaseState::Current;
         a.accepted = Some(signed.signed());
-        // Renew at once: the award's own expiry is short on purpose.
-        a.renewal_sent = Some(now);
-        let renewal = LeaseRenewal {
-            job_id,
-            task: accept.task,
-            rank: accept.rank,
-            requester,
-            worker: a.worker,
-            epoch: a.epoch,
-            issued_at: now,
-            expires_at: renew_to,
-        };
+        a.first_renewal_at = Some(now.plus_ms(wait));
         let task = &mut self.tasks[accept.task as usize];
         let all_current = task.ranks.iter().all(|r| r.state == LeaseState::Current);
+        // The award's own expiry is short on purpose: renew at once, or, in a group still
+        // assembling, once it is whole (the tick renews a rank that waited too long).
+        let mut actions = Vec::new();
         if all_current {
             task.status = TaskStatus::Running;
+            for r in &mut task.ranks {
+                if r.first_renewal_at.take().is_some() && r.renewal_sent.is_none() {
+                    r.renewal_sent = Some(now);
+                    actions.push(Action::Renew(LeaseRenewal {
+                        job_id,
+                        task: accept.task,
+                        rank: r.rank,
+                        requester,
+                        worker: r.worker,
+                        epoch: r.epoch,
+                        issued_at: now,
+                        expires_at: renew_to,
+                    }));
+                }
+            }
         }
         self.log(
             now,
@@ -834,7 +853,7 @@ impl Job {
                 "every rank holds a current lease".into(),
             );
         }
-        Ok(vec![Action::Renew(renewal)])
+        Ok(actions)
     }
 
     /// The assignment of `rank` of task `task`, if it is at `epoch` (the fencing check).
@@ -1051,8 +1070,10 @@ impl Job {
                 let due = a.state == LeaseState::Current
                     && a.expires_at.ms_since(now) <= margin
                     && renew_to > a.expires_at
+                    && a.first_renewal_at.is_none_or(|t| now >= t)
                     && a.renewal_sent.is_none_or(|t| now.ms_since(t) >= resend_ms);
                 if due {
+                    a.first_renewal_at = None;
                     a.renewal_sent = Some(now);
                     actions.push(Action::Renew(LeaseRenewal {
                         job_id,
@@ -1090,7 +1111,8 @@ impl Job {
                                 let resend = a
                                     .renewal_sent
                                     .map_or(renew, |t| t.plus_ms((margin / 3).max(1)));
-                                at = at.min(renew.max(resend).min(a.expires_at));
+                                let first = a.first_renewal_at.unwrap_or(renew);
+                                at = at.min(renew.max(resend).max(first).min(a.expires_at));
                             }
                             _ => {}
                         }
@@ -1208,6 +1230,7 @@ impl Job {
                 state: LeaseState::Offered,
                 expires_at,
                 renewal_sent: None,
+                first_renewal_at: None,
                 accepted: None,
             });
             actions.push(Action::Award(award));

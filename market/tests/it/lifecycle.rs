@@ -302,6 +302,72 @@ fn a_group_gets_ranks_and_a_shared_roster() {
     ));
 }
 
+/// Renewals in the queue, by rank.
+fn renewals(net: &Net) -> Vec<u32> {
+    net.queue
+        .iter()
+        .filter_map(|e| match e {
+            Envelope::Request { msg, .. } => match &**msg {
+                Inbound::Renewal(r) => Some(r.body.rank),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_group_is_renewed_once_every_rank_holds_its_lease() {
+    let mut w = world(5, vec![testkit::task("g", 1, 0, 0, 3, 300_000)]);
+    let now = T0.plus_ms(WINDOW);
+    w.net.tick(now);
+    assert_eq!(w.awards().len(), 3);
+    // Ranks 0 and 1 countersign; rank 2's award is still on its way.
+    let late = w.net.queue.remove(2);
+    w.net.settle(now);
+    assert_eq!(w.job().tasks()[0].ranks()[0].state, LeaseState::Current);
+    assert_eq!(w.job().tasks()[0].ranks()[1].state, LeaseState::Current);
+    assert_eq!(
+        renewals(&w.net),
+        Vec::<u32>::new(),
+        "nothing renewed while the group assembles"
+    );
+    // Rank 2 countersigns: the three renewals go out together.
+    w.net.queue.push(late);
+    w.net.run(now, |_| false, 2);
+    assert_eq!(w.status(0), TaskStatus::Running);
+    assert_eq!(renewals(&w.net), vec![0, 1, 2]);
+    w.net.settle(now);
+    for r in w.job().tasks()[0].ranks() {
+        assert!(r.expires_at > now.plus_ms(LeaseConfig::default().award_timeout_ms));
+    }
+}
+
+#[test]
+fn a_rank_waits_only_so_long_for_its_group_before_it_is_renewed() {
+    let mut w = world(5, vec![testkit::task("g", 1, 0, 0, 3, 300_000)]);
+    let now = T0.plus_ms(WINDOW);
+    w.net.tick(now);
+    // Rank 2's award is lost; ranks 0 and 1 countersign.
+    w.net.queue.remove(2);
+    w.net.settle(now);
+    let wake = now.plus_ms(cannabis_market::job::GROUP_RENEWAL_WAIT_MS);
+    assert!(w.net.nodes[0].market.poll_timeout().unwrap() <= wake);
+    w.net.tick(Timestamp(wake.0 - 1));
+    assert_eq!(renewals(&w.net), Vec::<u32>::new());
+    w.net.tick(wake);
+    assert_eq!(
+        renewals(&w.net),
+        vec![0, 1],
+        "renewed before the award's own expiry"
+    );
+    w.net.settle(wake);
+    let award_expiry = now.plus_ms(LeaseConfig::default().award_timeout_ms);
+    for r in &w.job().tasks()[0].ranks()[..2] {
+        assert!(r.expires_at > award_expiry);
+    }
+}
+
 #[test]
 fn an_unanswered_award_is_retried_with_a_new_epoch_elsewhere() {
     let mut w = world(3, vec![testkit::task("t", 1, 0, 0, 1, 100_000)]);
