@@ -99,6 +99,10 @@ pub struct BenchReport {
 const JOB_BID_WINDOW_MS: u64 = 30_000;
 
 /// How a benchmark group job went, ms: (group, submit to placed, placed to leases).
+/// How long after the last trim of connections memory is read: one node upkeep and a
+/// second.
+const IDLE_SETTLE: Duration = Duration::from_secs(11);
+
 fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64, u64)> {
     let group = u32::try_from(net.nodes.len() - 1)?;
     let mut t = bench_offer(0);
@@ -207,6 +211,9 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         }
         std::thread::sleep(Duration::from_secs(1));
     };
+    // Then one upkeep more (every 10 s): a node gives the memory of the connections it
+    // closed back to the system at its next upkeep, and idle is after that.
+    std::thread::sleep(IDLE_SETTLE);
     let memory = net.memory_kib();
     let rss: Vec<u64> = memory.iter().map(|m| m.0).collect();
     let pss: Vec<u64> = memory.iter().map(|m| m.1).collect();
