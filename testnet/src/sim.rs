@@ -938,8 +938,16 @@ impl Sim {
     }
 
     fn step(&mut self, e: Event) -> Result<(), Violation> {
+        /// How long a user whose node is down waits before submitting again.
+        const SUBMIT_RETRY_MS: u64 = 5_000;
         match e {
             Event::Publish(r, j) => {
+                if self.nodes[r].down {
+                    // The requester's node is down: its user is told so and submits again
+                    // a little later (a crashed node comes back up).
+                    self.at(self.now + us(SUBMIT_RETRY_MS), Event::Publish(r, j));
+                    return Ok(());
+                }
                 let template = self.templates[j].clone();
                 self.arrive(r, Item::Submit(Box::new(template)));
             }
