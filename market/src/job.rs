@@ -241,6 +241,31 @@ pub struct Assignment {
     pub first_renewal_at: Option<Timestamp>,
 }
 
+impl Assignment {
+    /// The renewal of this lease up to `expires_at`, marked as sent `now`.
+    fn renew(
+        &mut self,
+        job_id: Uuid,
+        task: u32,
+        requester: Address,
+        now: Timestamp,
+        expires_at: Timestamp,
+    ) -> Action {
+        self.first_renewal_at = None;
+        self.renewal_sent = Some(now);
+        Action::Renew(LeaseRenewal {
+            job_id,
+            task,
+            rank: self.rank,
+            requester,
+            worker: self.worker,
+            epoch: self.epoch,
+            issued_at: now,
+            expires_at,
+        })
+    }
+}
+
 /// One task's state.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Task {
@@ -823,18 +848,8 @@ impl Job {
         if all_current {
             task.status = TaskStatus::Running;
             for r in &mut task.ranks {
-                if r.first_renewal_at.take().is_some() && r.renewal_sent.is_none() {
-                    r.renewal_sent = Some(now);
-                    actions.push(Action::Renew(LeaseRenewal {
-                        job_id,
-                        task: accept.task,
-                        rank: r.rank,
-                        requester,
-                        worker: r.worker,
-                        epoch: r.epoch,
-                        issued_at: now,
-                        expires_at: renew_to,
-                    }));
+                if r.first_renewal_at.is_some() && r.renewal_sent.is_none() {
+                    actions.push(r.renew(job_id, accept.task, requester, now, renew_to));
                 }
             }
         }
@@ -1073,18 +1088,7 @@ impl Job {
                     && a.first_renewal_at.is_none_or(|t| now >= t)
                     && a.renewal_sent.is_none_or(|t| now.ms_since(t) >= resend_ms);
                 if due {
-                    a.first_renewal_at = None;
-                    a.renewal_sent = Some(now);
-                    actions.push(Action::Renew(LeaseRenewal {
-                        job_id,
-                        task: i as u32,
-                        rank: a.rank,
-                        requester,
-                        worker: a.worker,
-                        epoch: a.epoch,
-                        issued_at: now,
-                        expires_at: renew_to,
-                    }));
+                    actions.push(a.renew(job_id, i as u32, requester, now, renew_to));
                 }
             }
         }

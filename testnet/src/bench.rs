@@ -98,11 +98,11 @@ pub struct BenchReport {
 /// Bid window of the benchmark's job: long, since it is placed as soon as its bids are in.
 const JOB_BID_WINDOW_MS: u64 = 30_000;
 
-/// How a benchmark group job went, ms: (group, submit to placed, placed to leases).
 /// How long after the last trim of connections memory is read: one node upkeep and a
 /// second.
 const IDLE_SETTLE: Duration = Duration::from_secs(11);
 
+/// How a benchmark group job went, ms: (group, submit to placed, placed to leases).
 fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64, u64)> {
     let group = u32::try_from(net.nodes.len() - 1)?;
     let mut t = bench_offer(0);
