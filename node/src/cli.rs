@@ -67,6 +67,79 @@ pub(crate) enum Command {
     /// Run work locally through the executor and sandbox the node uses.
     #[command(subcommand)]
     Exec(ExecCommand),
+    /// The root supervisor that owns the executor for an unprivileged node.
+    #[command(subcommand)]
+    Supervisor(SupervisorCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum SupervisorCommand {
+    /// Run the supervisor (as root): the executor, the sandboxes, the ceilings and the
+    /// journal, served to the node user on a local socket.
+    Run(SupervisorRunArgs),
+    /// The supervisor's state: the owner's switch and limits, layers, capacity held.
+    Status {
+        #[command(flatten)]
+        socket: SupervisorSocket,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Set the owner's limits from a file (the `[executor]` keys: cpu, memory, swap,
+    /// processes, storage, gpus, adapters, custom_code); each must stay within the
+    /// administrator's ceilings, or nothing changes.
+    Limits {
+        /// The limits file (TOML).
+        file: PathBuf,
+        #[command(flatten)]
+        socket: SupervisorSocket,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Measure what the socket adds: admissions and output reads through a supervisor
+    /// against the same executor called in-process, in the same run (root).
+    Bench {
+        /// Admissions (and output reads) per path.
+        #[arg(long, default_value_t = 30)]
+        runs: u32,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Release a quarantined attempt or a leftover after the idle and storage checks
+    /// (the administrator's: root only).
+    Clear {
+        /// The attempt (or leftover) id.
+        id: String,
+        #[command(flatten)]
+        socket: SupervisorSocket,
+    },
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SupervisorSocket {
+    /// The supervisor's socket.
+    #[arg(long, value_name = "PATH", default_value = cannabis_node::supervisor::DEFAULT_SOCKET)]
+    pub(crate) socket: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SupervisorRunArgs {
+    /// The user the node runs as (a name or a uid): the one unprivileged caller allowed.
+    #[arg(long, value_name = "USER")]
+    pub(crate) node_user: String,
+    #[command(flatten)]
+    pub(crate) socket: SupervisorSocket,
+    /// The supervisor's directory: its journal, attempts and spool.
+    #[arg(long, value_name = "DIR", default_value = cannabis_node::supervisor::DEFAULT_DIR)]
+    pub(crate) dir: PathBuf,
+    /// The administrator's ceilings file (read only, never written).
+    #[arg(long, value_name = "FILE", default_value = cannabis_runtime::exec::DEFAULT_CEILINGS)]
+    pub(crate) ceilings: PathBuf,
+    /// The owner's limits at start (TOML, the `[executor]` keys); within the ceilings.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) limits: Option<PathBuf>,
+    /// The administrator-pinned NVIDIA CDI map: granted GPUs' device nodes come from it.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) cdi_map: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -168,6 +241,13 @@ pub(crate) enum NodeCommand {
     Stop,
     /// Take work again after pause, drain or stop.
     Resume,
+    /// Set the owner's limits for work from a file (the `[executor]` keys: cpu, memory,
+    /// swap, processes, storage, gpus, adapters, custom_code); each must stay within the
+    /// administrator's ceilings, or nothing changes. Kept across restarts.
+    Limits {
+        /// The limits file (TOML).
+        file: PathBuf,
+    },
     /// Stop one attempt (recorded first; a finished attempt keeps its outcome).
     Cancel {
         /// The attempt id.
@@ -244,6 +324,10 @@ pub(crate) struct RunArgs {
     /// The administrator's ceilings file (read only, never written).
     #[arg(long, value_name = "FILE", default_value = cannabis_runtime::exec::DEFAULT_CEILINGS)]
     pub(crate) ceilings: PathBuf,
+    /// Run work through the root supervisor listening on this socket (see `cannabis
+    /// supervisor run`) instead of an executor in this process.
+    #[arg(long, value_name = "SOCKET")]
+    pub(crate) supervisor: Option<PathBuf>,
 }
 
 fn duration_ms(text: &str) -> Result<u64, String> {

@@ -18,6 +18,7 @@ mod keys;
 mod market;
 mod node;
 mod probe;
+mod supervisor;
 mod testnet;
 
 pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
@@ -36,6 +37,7 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Job(c) => job::run(c, data_dir),
         Command::Demo(args) => demo::run(&args),
         Command::Exec(c) => exec::run(c, data_dir),
+        Command::Supervisor(c) => supervisor::run(c, cli.log_format),
     }
 }
 

@@ -45,6 +45,9 @@ pub struct NodeConfig {
     /// The owner's limits for the local executor; each must stay within the
     /// administrator's ceilings (unset fields take the ceiling).
     pub executor: cannabis_runtime::exec::LimitsFile,
+    /// The socket of a root supervisor that runs this node's work (`cannabis supervisor
+    /// run`); without one the executor runs in the node's own process.
+    pub supervisor: Option<std::path::PathBuf>,
     /// The administrator's ceilings file (set by `node run --ceilings`, never by this
     /// file: the owner's settings cannot move their own ceiling).
     #[serde(skip)]
@@ -230,6 +233,7 @@ impl Default for NodeConfig {
             leases: cannabis_market::job::LeaseConfig::default(),
             fanin: cannabis_market::fanin::FaninConfig::default(),
             executor: cannabis_runtime::exec::LimitsFile::default(),
+            supervisor: None,
             ceilings: None,
             source: None,
         }

@@ -1,13 +1,17 @@
-//! The node's side of the local executor: the machine's capacity, the administrator's
-//! ceilings, the owner's limits, and the journal in the node's store.
+//! The node's side of the executor: the machine's capacity, the administrator's ceilings,
+//! the owner's limits, the journal in the node's store, and [`ExecutorHandle`], which runs
+//! work either in this process or through a root supervisor (`crate::supervisor`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cannabis_protocol::AdapterKind;
+use cannabis_protocol::{AdapterKind, IsolationLayer};
 use cannabis_runtime::exec::{
-    Ceilings, DEFAULT_CEILINGS, Executor, ExecutorConfig, Journal, Limits, LimitsFile,
+    Attempt, AttemptRequest, Ceilings, Chunk, Control, DEFAULT_CEILINGS, ExecError, Executor,
+    ExecutorConfig, Journal, Limits, LimitsFile, Orphan,
 };
+
+use crate::supervisor::{ExecutorStatus, Request, SupervisorClient};
 
 /// Processes the machine offers when nothing else says.
 const DEFAULT_PROCESSES: u64 = 4096;
@@ -50,4 +54,250 @@ pub fn open(
     let mut cfg = ExecutorConfig::new(dir.to_path_buf(), program, ceilings, owner);
     cfg.cdi_map = cdi_map.map(Path::to_path_buf);
     Executor::open(cfg, journal).map_err(|e| e.to_string())
+}
+
+/// Where this node's work runs: its own executor in this process, or a root supervisor's
+/// through its socket. Every call blocks (run it off the async threads).
+#[derive(Clone)]
+pub enum ExecutorHandle {
+    /// The executor in this process (testnets, root-run single-user setups).
+    Local(Executor),
+    /// The supervisor's, with what it said when the node connected.
+    Supervised(Arc<Supervised>),
+}
+
+/// A supervisor the node talks to, and what it last said about itself.
+pub struct Supervised {
+    /// The socket client.
+    pub client: SupervisorClient,
+    /// The supervisor's state when last asked (for the ad, which must not block).
+    pub seen: std::sync::Mutex<ExecutorStatus>,
+    /// Whether the supervisor is root and this node is not: the network-facing process
+    /// has no privileges, and workloads get uids of their own.
+    pub separated: bool,
+}
+
+/// How the node runs work, as its status, logs and ad say.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case", tag = "mode")]
+pub enum ExecMode {
+    /// The executor runs in the node's own process.
+    InProcess,
+    /// A supervisor runs it; the node talks to it over `socket`.
+    Supervisor {
+        /// The supervisor's socket.
+        socket: PathBuf,
+        /// Whether the supervisor is root and the node is not.
+        separated: bool,
+    },
+}
+
+impl ExecMode {
+    /// In words, for logs and the CLI.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::InProcess => "in-process executor".into(),
+            Self::Supervisor { socket, separated } => format!(
+                "supervisor at {}{}",
+                socket.display(),
+                if *separated {
+                    " (root; this node unprivileged)"
+                } else {
+                    " (not privilege-separated)"
+                }
+            ),
+        }
+    }
+}
+
+impl ExecutorHandle {
+    /// Connects to the supervisor at `socket` and asks its state; the owner's `[executor]`
+    /// limits from the node's configuration, when set, are asked for (the supervisor
+    /// checks them against its ceilings).
+    pub fn supervised(socket: &Path, owner: &LimitsFile) -> Result<Self, String> {
+        let client = SupervisorClient::new(socket);
+        let mut seen = client.status().map_err(|e| e.to_string())?;
+        if *owner != LimitsFile::default() {
+            match client.call::<Limits>(
+                &crate::supervisor::Request::SetLimits {
+                    limits: owner.clone(),
+                },
+                &[],
+            ) {
+                Ok(limits) => seen.limits = limits,
+                Err(e) => tracing::warn!(reason = %e, "the supervisor kept its limits"),
+            }
+        }
+        let supervisor_root = client.supervisor_uid().map_err(|e| e.to_string())? == 0;
+        let separated = supervisor_root && !nix::unistd::geteuid().is_root();
+        Ok(Self::Supervised(Arc::new(Supervised {
+            client,
+            seen: std::sync::Mutex::new(seen),
+            separated,
+        })))
+    }
+
+    /// Where work runs.
+    pub fn mode(&self) -> ExecMode {
+        match self {
+            Self::Local(_) => ExecMode::InProcess,
+            Self::Supervised(s) => ExecMode::Supervisor {
+                socket: s.client.socket().to_path_buf(),
+                separated: s.separated,
+            },
+        }
+    }
+
+    fn seen(s: &Supervised) -> std::sync::MutexGuard<'_, ExecutorStatus> {
+        s.seen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Isolation layers in effect (the supervisor's as last seen); with a root supervisor
+    /// and an unprivileged node, privilege separation too.
+    pub fn layers(&self) -> Vec<IsolationLayer> {
+        match self {
+            Self::Local(ex) => ex.layers().to_vec(),
+            Self::Supervised(s) => {
+                let mut layers = Self::seen(s).layers.clone();
+                if s.separated {
+                    layers.push(IsolationLayer::PrivilegeSeparated);
+                }
+                layers
+            }
+        }
+    }
+
+    /// The owner's limits in force (the supervisor's as last seen).
+    pub fn limits(&self) -> Limits {
+        match self {
+            Self::Local(ex) => ex.limits().0,
+            Self::Supervised(s) => Self::seen(s).limits.clone(),
+        }
+    }
+
+    /// The executor's state now (with privilege separation among the layers, as the ad
+    /// says it).
+    pub fn info(&self) -> Result<ExecutorStatus, ExecError> {
+        match self {
+            Self::Local(ex) => Ok(ExecutorStatus::of(ex)),
+            Self::Supervised(s) => {
+                let mut st = s.client.status()?;
+                *Self::seen(s) = st.clone();
+                st.layers = self.layers();
+                Ok(st)
+            }
+        }
+    }
+
+    /// Admits a request (see [`Executor::submit`]).
+    pub fn submit(&self, request: AttemptRequest) -> Result<Attempt, ExecError> {
+        match self {
+            Self::Local(ex) => ex.submit(request),
+            Self::Supervised(s) => s.client.submit(request),
+        }
+    }
+
+    /// One attempt.
+    pub fn get(&self, id: &str) -> Result<Attempt, ExecError> {
+        self.ask(|ex| ex.get(id), || Request::Get { id: id.into() })
+    }
+
+    /// Every attempt.
+    pub fn attempts(&self) -> Result<Vec<Attempt>, ExecError> {
+        self.ask(|ex| Ok(ex.attempts()), || Request::Attempts)
+    }
+
+    /// Leftovers with no journal record.
+    pub fn orphans(&self) -> Result<Vec<Orphan>, ExecError> {
+        self.ask(|ex| Ok(ex.orphans()), || Request::Orphans)
+    }
+
+    /// Stops an attempt.
+    pub fn stop(&self, id: &str, why: &str) -> Result<Attempt, ExecError> {
+        self.ask(
+            |ex| ex.stop(id, why),
+            || Request::Stop {
+                id: id.into(),
+                why: why.into(),
+            },
+        )
+    }
+
+    /// Moves an attempt's lease end.
+    pub fn renew(&self, id: &str, until_ms: u64) -> Result<(), ExecError> {
+        self.ask(
+            |ex| ex.renew(id, until_ms),
+            || Request::Renew {
+                id: id.into(),
+                until_ms,
+            },
+        )
+    }
+
+    /// Runs a failed attempt again.
+    pub fn retry(&self, id: &str, request_id: String) -> Result<Attempt, ExecError> {
+        match self {
+            Self::Local(ex) => ex.retry(id, request_id),
+            Self::Supervised(s) => s.client.call(
+                &Request::Retry {
+                    id: id.into(),
+                    request_id,
+                },
+                &[],
+            ),
+        }
+    }
+
+    /// The administrator's clear (a supervisor takes it only from root).
+    pub fn clear(&self, id: &str) -> Result<(), ExecError> {
+        self.ask(|ex| ex.clear(id), || Request::Clear { id: id.into() })
+    }
+
+    /// Sets the owner's switch.
+    pub fn set_control(&self, control: Control) -> Result<(), ExecError> {
+        self.ask(
+            |ex| ex.set_control(control),
+            || Request::SetControl { control },
+        )
+    }
+
+    /// Sets the owner's limits, within the ceilings.
+    pub fn set_owner_limits(&self, limits: &LimitsFile) -> Result<Limits, ExecError> {
+        let set = self.ask(
+            |ex| ex.set_owner_limits(limits),
+            || Request::SetLimits {
+                limits: limits.clone(),
+            },
+        )?;
+        if let Self::Supervised(s) = self {
+            Self::seen(s).limits = set.clone();
+        }
+        Ok(set)
+    }
+
+    /// Reads an output.
+    pub fn read_output(
+        &self,
+        id: &str,
+        name: &str,
+        offset: u64,
+        max: u64,
+    ) -> Result<Chunk, ExecError> {
+        match self {
+            Self::Local(ex) => ex.read_output(id, name, offset, max),
+            Self::Supervised(s) => s.client.read_output(id, name, offset, max),
+        }
+    }
+
+    /// One call, in process or through the socket.
+    fn ask<T: serde::de::DeserializeOwned>(
+        &self,
+        local: impl FnOnce(&Executor) -> Result<T, ExecError>,
+        remote: impl FnOnce() -> Request,
+    ) -> Result<T, ExecError> {
+        match self {
+            Self::Local(ex) => local(ex),
+            Self::Supervised(s) => s.client.call(&remote(), &[]),
+        }
+    }
 }

@@ -10,6 +10,7 @@ pub mod keystore;
 pub mod logging;
 pub mod service;
 pub mod store;
+pub mod supervisor;
 pub mod swarm;
 
 pub use config::NodeConfig;

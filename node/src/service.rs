@@ -41,6 +41,9 @@ use crate::swarm::{self, Behaviour, BehaviourEvent};
 
 /// Connections a node keeps open to peers it discovers, so that gossip meshes can form.
 const TARGET_PEERS: usize = 16;
+/// How long a node waits for its supervisor to answer at start before it says it has no
+/// executor.
+const SUPERVISOR_WAIT: Duration = Duration::from_secs(60);
 /// How long a connection is kept before it may be trimmed (see `trim_connections`).
 const TRIM_GRACE: Duration = Duration::from_secs(30);
 
@@ -414,6 +417,13 @@ fn open_executor(
     let cdi_map = config.owner.cdi_map.clone();
     let data_dir = data_dir.to_path_buf();
     let journal: Arc<dyn cannabis_runtime::exec::Journal> = store.clone();
+    if let Some(socket) = config.supervisor.clone() {
+        return tokio::task::spawn_blocking(move || {
+            let opened = open_supervised(&socket, &owner);
+            let _ = slot.send(Some(Arc::new(opened)));
+            let _ = tell.blocking_send(Command::ExecutorReady);
+        });
+    }
     tokio::task::spawn_blocking(move || {
         let gpus = cannabis_runtime::probe::gpus(&cannabis_runtime::gpu::Nvml, &[], None)
             .1
@@ -428,18 +438,48 @@ fn open_executor(
             &owner,
             cdi_map.as_deref(),
             journal,
-        );
+        )
+        .map(crate::exec::ExecutorHandle::Local);
         match &opened {
             Ok(ex) => info!(
+                mode = %ex.mode().describe(),
                 layers = ?ex.layers().iter().map(|l| cannabis_runtime::exec::layer_name(*l)).collect::<Vec<_>>(),
-                cgroups = %ex.cgroups(),
-                "local executor ready"
+                "executor ready"
             ),
             Err(e) => warn!(reason = %e, "no local executor: this node takes no work"),
         }
         let _ = slot.send(Some(Arc::new(opened)));
         let _ = tell.blocking_send(Command::ExecutorReady);
     })
+}
+
+/// Connects to the supervisor, waiting for it while it starts (a node and its supervisor
+/// often start together); a node whose supervisor stays away takes no work and says why.
+fn open_supervised(
+    socket: &Path,
+    owner: &cannabis_runtime::exec::LimitsFile,
+) -> Result<crate::exec::ExecutorHandle, String> {
+    let deadline = Instant::now() + SUPERVISOR_WAIT;
+    loop {
+        match crate::exec::ExecutorHandle::supervised(socket, owner) {
+            Ok(ex) => {
+                info!(
+                    mode = %ex.mode().describe(),
+                    layers = ?ex.layers().iter().map(|l| cannabis_runtime::exec::layer_name(*l)).collect::<Vec<_>>(),
+                    "executor ready"
+                );
+                return Ok(ex);
+            }
+            Err(e) if Instant::now() >= deadline => {
+                warn!(reason = %e, "no supervisor: this node takes no work");
+                return Err(e);
+            }
+            Err(e) => {
+                debug!(reason = %e, "waiting for the supervisor");
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }
+    }
 }
 
 impl Node {

@@ -118,6 +118,9 @@ pub enum IsolationLayer {
     NoPrivileges,
     /// A writable work directory bounded in size.
     BoundedWorkdir,
+    /// The sandbox is run by a separate root supervisor; the network-facing node runs
+    /// as an unprivileged user and cannot change the administrator's ceilings.
+    PrivilegeSeparated,
 }
 
 /// A runtime with its version, e.g. `python3 3.11.7` or `torch 2.5.1+cu124`.

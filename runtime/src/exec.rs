@@ -161,9 +161,12 @@ struct State {
     attempts: BTreeMap<String, Attempt>,
     orphans: BTreeMap<String, Orphan>,
     control: Control,
+    /// The owner's limits in force (within the ceilings).
+    owner: Limits,
 }
 
 const CONTROL_KEY: &str = "control";
+const OWNER_KEY: &str = "owner-limits";
 const ATTEMPT_PREFIX: &str = "attempt/";
 const ORPHAN_PREFIX: &str = "orphan/";
 
@@ -210,6 +213,7 @@ impl Executor {
             None
         };
         let launcher = sandbox::Launcher::new(&cfg.program, &cfg.dir.join("template"));
+        let owner = cfg.owner.clone();
         let mut inner = Inner {
             cfg,
             journal,
@@ -222,6 +226,7 @@ impl Executor {
                 attempts: BTreeMap::new(),
                 orphans: BTreeMap::new(),
                 control: Control::Active,
+                owner,
             }),
             shutdown: AtomicBool::new(false),
             pause_at,
@@ -253,8 +258,24 @@ impl Executor {
     }
 
     /// The owner's limits in force and the ceilings they sit under.
-    pub fn limits(&self) -> (&Limits, &Ceilings) {
-        (&self.inner.cfg.owner, &self.inner.cfg.ceilings)
+    pub fn limits(&self) -> (Limits, &Ceilings) {
+        (self.inner.lock().owner.clone(), &self.inner.cfg.ceilings)
+    }
+
+    /// The owner's new limits, checked against the administrator's ceilings (a value
+    /// above a ceiling is refused, and nothing changes). Journaled first; they hold
+    /// across restarts. Work already admitted keeps what it holds.
+    pub fn set_owner_limits(&self, file: &LimitsFile) -> Result<Limits, ExecError> {
+        let inner = &self.inner;
+        let limits = inner.cfg.ceilings.owner(file).map_err(ExecError::Refused)?;
+        let mut st = inner.lock();
+        let bytes = serde_json::to_vec(file).map_err(|e| ExecError::Journal(e.to_string()))?;
+        inner
+            .journal
+            .put(OWNER_KEY, &bytes)
+            .map_err(ExecError::Journal)?;
+        st.owner = limits.clone();
+        Ok(limits)
     }
 
     /// Capacity held now, summed over every attempt that holds some.
@@ -646,6 +667,14 @@ impl Inner {
             if key == CONTROL_KEY {
                 st.control = serde_json::from_slice(&value)
                     .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
+            } else if key == OWNER_KEY {
+                let file: LimitsFile = serde_json::from_slice(&value)
+                    .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
+                // Ceilings lowered since: the owner's limits from the configuration stand.
+                match self.cfg.ceilings.owner(&file) {
+                    Ok(limits) => st.owner = limits,
+                    Err(e) => eprintln!("executor: the owner's saved limits are not applied: {e}"),
+                }
             } else if let Some(id) = key.strip_prefix(ATTEMPT_PREFIX) {
                 let a: Attempt = serde_json::from_slice(&value)
                     .map_err(|e| ExecError::Journal(format!("{key}: {e}")))?;
@@ -722,7 +751,7 @@ impl Inner {
         }
         let task = &request.task;
         let kind = task.workload.adapter;
-        let owner = &self.cfg.owner;
+        let owner = &st.owner;
         let Some(adapter) = adapter::adapter(kind) else {
             return Err(format!(
                 "this executor has no {} adapter yet",
@@ -1121,7 +1150,7 @@ pub(crate) mod tests {
         };
         let ceilings = Ceilings::load(Path::new("/nonexistent"), &machine).unwrap();
         Inner {
-            cfg: ExecutorConfig::new("/x".into(), "/x".into(), ceilings, machine),
+            cfg: ExecutorConfig::new("/x".into(), "/x".into(), ceilings, machine.clone()),
             journal: Arc::new(Memory(Mutex::new(BTreeMap::new()))),
             cgroups: Cgroups::default(),
             cgroup_layers: Vec::new(),
@@ -1132,6 +1161,7 @@ pub(crate) mod tests {
                 attempts: BTreeMap::new(),
                 orphans: BTreeMap::new(),
                 control: Control::Active,
+                owner: machine.clone(),
             }),
             shutdown: AtomicBool::new(false),
             pause_at: None,

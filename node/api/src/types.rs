@@ -1,7 +1,7 @@
 //! The data a node's local API serves (JSON over HTTP on loopback; see
 //! `docs/operator-guide.md`).
 
-use cannabis_protocol::{AdapterKind, Amount, PriceSheet, Runtime};
+use cannabis_protocol::{AdapterKind, Amount, IsolationLayer, PriceSheet, Runtime};
 use serde::{Deserialize, Serialize};
 
 pub use cannabis_market::OfferTemplate;
@@ -84,6 +84,9 @@ pub struct Ad {
     pub adapters: Vec<AdapterKind>,
     /// Runtimes with versions.
     pub runtimes: Vec<Runtime>,
+    /// Isolation layers the node's sandbox enforces (privilege separation included).
+    #[serde(default)]
+    pub isolation: Vec<IsolationLayer>,
     /// The owner's prices.
     pub prices: PriceSheet,
     /// Expiry, ms since the epoch.
@@ -124,6 +127,7 @@ impl From<&AdEntry> for Ad {
             gpus: ad.hardware.gpus.iter().filter(|g| g.allowed).count(),
             adapters: ad.adapters.clone(),
             runtimes: ad.runtimes.clone(),
+            isolation: ad.isolation.clone(),
             prices: ad.prices.clone(),
             expires_at_ms: ad.expires_at.0,
             received_at_us: e.received_at_us(),

@@ -7,8 +7,10 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cannabis_runtime::exec::{
-    Attempt, AttemptRequest, Chunk, Control, ExecError, Executor, Orphan, layer_name,
+    Attempt, AttemptRequest, Chunk, Control, ExecError, LimitsFile, Orphan, layer_name,
 };
+
+use crate::exec::{ExecMode, ExecutorHandle};
 use serde::{Deserialize, Serialize};
 
 use super::{AppState, Error};
@@ -18,6 +20,9 @@ use super::{AppState, Error};
 pub struct ExecStatus {
     /// Why there is no executor, if there is none.
     pub unavailable: Option<String>,
+    /// Where work runs: in the node's process or through a supervisor.
+    #[serde(default)]
+    pub mode: Option<ExecMode>,
     /// The owner's switch.
     pub control: Option<Control>,
     /// Isolation layers seen in effect at start-up.
@@ -56,6 +61,7 @@ pub(super) fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/exec", get(status))
         .route("/v1/exec/control", post(control))
+        .route("/v1/exec/limits", post(limits))
         .route("/v1/exec/attempts", get(attempts).post(submit))
         .route("/v1/exec/attempts/{id}", get(attempt))
         .route("/v1/exec/attempts/{id}/stop", post(stop))
@@ -65,7 +71,7 @@ pub(super) fn routes() -> Router<AppState> {
         .route("/v1/exec/orphans", get(orphans))
 }
 
-async fn executor(s: &AppState) -> Result<Executor, Error> {
+async fn executor(s: &AppState) -> Result<ExecutorHandle, Error> {
     s.node.executor().await.map_err(|why| {
         Error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -86,7 +92,7 @@ fn exec_error(e: ExecError) -> Error {
 /// Runs a blocking executor call off the async threads.
 async fn blocking<T: Send + 'static>(
     s: &AppState,
-    f: impl FnOnce(Executor) -> Result<T, ExecError> + Send + 'static,
+    f: impl FnOnce(ExecutorHandle) -> Result<T, ExecError> + Send + 'static,
 ) -> Result<Json<T>, Error> {
     let ex = executor(s).await?;
     tokio::task::spawn_blocking(move || f(ex))
@@ -97,28 +103,35 @@ async fn blocking<T: Send + 'static>(
 }
 
 async fn status_of(s: &AppState) -> ExecStatus {
-    match s.node.executor().await {
-        Err(why) => ExecStatus {
-            unavailable: Some(why),
-            control: None,
-            layers: Vec::new(),
-            cgroups: String::new(),
-            limits: None,
-            ceilings: None,
-            reserved: None,
+    let unavailable = |why: String, mode: Option<ExecMode>| ExecStatus {
+        unavailable: Some(why),
+        mode,
+        control: None,
+        layers: Vec::new(),
+        cgroups: String::new(),
+        limits: None,
+        ceilings: None,
+        reserved: None,
+    };
+    let ex = match s.node.executor().await {
+        Err(why) => return unavailable(why, None),
+        Ok(ex) => ex,
+    };
+    let mode = ex.mode();
+    let info = tokio::task::spawn_blocking(move || ex.info()).await;
+    match info {
+        Err(e) => unavailable(e.to_string(), Some(mode)),
+        Ok(Err(e)) => unavailable(e.to_string(), Some(mode)),
+        Ok(Ok(info)) => ExecStatus {
+            unavailable: None,
+            mode: Some(mode),
+            control: Some(info.control),
+            layers: info.layers.iter().map(|l| layer_name(*l)).collect(),
+            cgroups: info.cgroups,
+            limits: Some(info.limits),
+            ceilings: info.ceilings.map(|p| p.display().to_string()),
+            reserved: Some(info.reserved),
         },
-        Ok(ex) => {
-            let (limits, ceilings) = ex.limits();
-            ExecStatus {
-                unavailable: None,
-                control: Some(ex.control()),
-                layers: ex.layers().iter().map(|l| layer_name(*l)).collect(),
-                cgroups: ex.cgroups(),
-                limits: Some(limits.clone()),
-                ceilings: ceilings.source.as_ref().map(|p| p.display().to_string()),
-                reserved: Some(ex.reserved()),
-            }
-        }
     }
 }
 
@@ -134,12 +147,21 @@ async fn control(
     Ok(Json(status_of(&s).await))
 }
 
+/// The owner's new limits, each within the administrator's ceilings.
+async fn limits(
+    State(s): State<AppState>,
+    Json(body): Json<LimitsFile>,
+) -> Result<Json<ExecStatus>, Error> {
+    let _ = blocking(&s, move |ex| ex.set_owner_limits(&body)).await?;
+    Ok(Json(status_of(&s).await))
+}
+
 async fn attempts(State(s): State<AppState>) -> Result<Json<Vec<Attempt>>, Error> {
-    blocking(&s, |ex| Ok(ex.attempts())).await
+    blocking(&s, |ex| ex.attempts()).await
 }
 
 async fn orphans(State(s): State<AppState>) -> Result<Json<Vec<Orphan>>, Error> {
-    blocking(&s, |ex| Ok(ex.orphans())).await
+    blocking(&s, |ex| ex.orphans()).await
 }
 
 async fn submit(

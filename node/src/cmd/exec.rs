@@ -463,7 +463,7 @@ pub(super) fn jobs(data_dir: &Path, id: Option<&str>, json: bool) -> anyhow::Res
         if json {
             return output::json(&status);
         }
-        out!("no local executor: {why}")?;
+        out!("no executor: {why}")?;
         return Ok(());
     }
     let attempts: Vec<Attempt> = client.get("/v1/exec/attempts")?;
@@ -476,8 +476,12 @@ pub(super) fn jobs(data_dir: &Path, id: Option<&str>, json: bool) -> anyhow::Res
         }));
     }
     out!(
-        "executor {}; sandbox: {}",
+        "executor {} ({}); sandbox: {}",
         status.control.map_or("?", Control::name),
+        status
+            .mode
+            .as_ref()
+            .map_or_else(|| "?".to_string(), cannabis_node::exec::ExecMode::describe),
         status.layers.join(", ")
     )?;
     out!(
@@ -519,6 +523,30 @@ fn truncate(s: &str, n: usize) -> String {
         t.push('…');
         t
     }
+}
+
+/// `cannabis node limits FILE`: the owner's new limits, checked against the ceilings by
+/// the executor (in the node or its supervisor).
+pub(super) fn limits(data_dir: &Path, file: &Path) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let limits =
+        LimitsFile::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    let client = ApiClient::from_data_dir(data_dir)?;
+    let status: ExecStatus = client.post("/v1/exec/limits", &limits)?;
+    let Some(l) = status.limits else {
+        anyhow::bail!("no executor: {}", status.unavailable.unwrap_or_default());
+    };
+    out!(
+        "the owner's limits are now: cpu {} cores, memory {} MiB, processes {}, storage {} MiB, gpus [{}], custom code {} (kept across restarts)",
+        l.cpu_millicores as f64 / 1000.0,
+        l.memory_bytes >> 20,
+        l.processes,
+        l.storage_bytes >> 20,
+        l.gpus.join(", "),
+        if l.custom_code { "allowed" } else { "refused" }
+    )?;
+    Ok(())
 }
 
 pub(super) fn control(data_dir: &Path, control: Control) -> anyhow::Result<()> {

@@ -126,6 +126,7 @@ pub(super) fn run(
         NodeCommand::Resume => {
             super::exec::control(data_dir, cannabis_runtime::exec::Control::Active)
         }
+        NodeCommand::Limits { file } => super::exec::limits(data_dir, &file),
         NodeCommand::Cancel { id } => super::exec::cancel(data_dir, &id),
         NodeCommand::Retry { id } => super::exec::retry(data_dir, &id),
         NodeCommand::Clear { id } => super::exec::clear(data_dir, &id),
@@ -186,6 +187,9 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
         config.limits.handshake_timeout_secs = config.limits.handshake_timeout_secs.max(10);
     }
     config.ceilings = Some(args.ceilings.clone());
+    if let Some(socket) = &args.supervisor {
+        config.supervisor = Some(socket.clone());
+    }
     config.check()?;
 
     std::fs::create_dir_all(data_dir)

@@ -231,13 +231,13 @@ impl Node {
         let mut hardware = probe.hardware.clone();
         let isolation = match self.executor.borrow().as_deref() {
             Some(Ok(ex)) => {
-                let (limits, _) = ex.limits();
+                let limits = ex.limits();
                 let cores = u32::try_from(limits.cpu_millicores.div_ceil(1000)).unwrap_or(u32::MAX);
                 hardware.cpu_cores = hardware.cpu_cores.min(cores.max(1));
                 hardware.memory_bytes = hardware.memory_bytes.min(limits.memory_bytes);
                 hardware.swap_bytes = hardware.swap_bytes.min(limits.swap_bytes);
                 hardware.storage_bytes = hardware.storage_bytes.min(limits.storage_bytes);
-                ex.layers().to_vec()
+                ex.layers()
             }
             _ => Vec::new(),
         };

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::Command;
 
 /// The local executor once it opened, or why it did not.
-pub(crate) type Opened = Option<std::sync::Arc<Result<cannabis_runtime::exec::Executor, String>>>;
+pub(crate) type Opened = Option<std::sync::Arc<Result<crate::exec::ExecutorHandle, String>>>;
 
 /// Where the local executor appears once it opened (in the background, at start).
 pub(crate) type ExecutorSlot = tokio::sync::watch::Receiver<Opened>;
@@ -43,9 +43,10 @@ impl NodeHandle {
         }
     }
 
-    /// The local executor, or why this node has none; waits while it is still opening.
+    /// The node's executor (its own or its supervisor's), or why it has none; waits while it
+    /// is still opening.
     /// Only the local API reaches it: nothing on the network side can change its settings.
-    pub async fn executor(&self) -> Result<cannabis_runtime::exec::Executor, String> {
+    pub async fn executor(&self) -> Result<crate::exec::ExecutorHandle, String> {
         let mut slot = self.executor.clone();
         let opened = tokio::time::timeout(EXECUTOR_WAIT, slot.wait_for(Option::is_some))
             .await

@@ -88,7 +88,7 @@ fn task(adapter: AdapterKind, entrypoint: &[&str]) -> TaskSpec {
 }
 
 /// A bundle (a tar file) holding `run.sh` with `script`, and a process task running it.
-fn script_request(dir: &Path, id: &str, script: &str) -> AttemptRequest {
+pub(crate) fn script_request(dir: &Path, id: &str, script: &str) -> AttemptRequest {
     let src = dir.join(format!("bundle-{id}"));
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("run.sh"), script).unwrap();

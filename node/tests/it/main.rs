@@ -7,4 +7,5 @@ mod exec_restart;
 mod hostile;
 mod market;
 mod net;
+mod supervisor;
 mod swarm;
