@@ -952,6 +952,11 @@ impl Node {
                 || self.executor.borrow().is_none()
                 || self.ad_due.is_some(),
             refused_peers: self.blocked.len(),
+            executor: match self.executor.borrow().as_deref() {
+                None => "opening".into(),
+                Some(Ok(ex)) => ex.mode().describe(),
+                Some(Err(why)) => format!("none: {why}"),
+            },
         }
     }
 

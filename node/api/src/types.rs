@@ -39,6 +39,10 @@ pub struct Status {
     /// Graylisted peers the node refuses at the handshake until their score recovers.
     #[serde(default)]
     pub refused_peers: usize,
+    /// Where the node's work runs (its own process, or a supervisor's socket), or why it
+    /// has none; `opening` at start.
+    #[serde(default)]
+    pub executor: String,
 }
 
 /// Mesh size of one topic.

@@ -48,6 +48,7 @@ pub(super) fn run(
                 ("open offers", s.offers.to_string()),
                 ("uptime", format!("{} s", s.uptime_secs)),
                 ("version", s.version.clone()),
+                ("executor", s.executor.clone()),
                 (
                     "capabilities",
                     if s.probing {

@@ -257,6 +257,13 @@ fn an_unprivileged_node_runs_work_in_the_sandbox_of_a_root_supervisor() {
         layers.iter().any(|l| l == "privilege-separated"),
         "{status:#}"
     );
+    let node_status = client(&dirs).status().unwrap();
+    assert!(
+        node_status.executor.contains("supervisor at")
+            && node_status.executor.contains("unprivileged"),
+        "{}",
+        node_status.executor
+    );
     // The supervisor's ceilings bound what the node offers.
     assert_eq!(status["limits"]["cpu_millicores"], 1000, "{status:#}");
     wait_for(|| {
