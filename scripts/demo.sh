@@ -14,6 +14,7 @@ echo "== one job through the protocol"
 echo
 echo "== five nodes on loopback: ads and offers gossiped, a group job placed and leased"
 dir=$(mktemp -d)
+chmod 711 "$dir"   # the nodes' sandboxes run as uids of their own and must pass through
 trap '"$bin" testnet down --dir "$dir/net" >/dev/null 2>&1 || true; rm -rf "$dir"' EXIT
 "$bin" testnet bench --nodes 5 --offers 10 --pings 100 --dir "$dir/net"
 

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use cannabis_protocol::{
     Address, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryRecipient, Digest,
     FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest,
-    Received, Signed, Timestamp, Uuid,
+    Received, RunReport, RunStage, Signed, TaskSpec, Timestamp, Uuid,
 };
 
 use crate::fanin::FaninConfig;
@@ -136,6 +136,8 @@ pub enum Inbound {
     Cancel(Received<Cancel>),
     /// A verifier's challenge pass for this node.
     Pass(Received<ChallengePass>),
+    /// A worker's report on the work of a lease.
+    RunReport(Received<RunReport>),
 }
 
 /// A peer's answer to a request the engine sent.
@@ -191,6 +193,8 @@ pub enum Outbound {
     Renewal(LeaseRenewal),
     /// To a worker.
     Cancel(Cancel),
+    /// To a requester.
+    RunReport(RunReport),
 }
 
 /// The engine's answer to an inbound request.
@@ -447,6 +451,61 @@ pub enum Output {
     },
     /// Something happened.
     Event(MarketEvent),
+    /// Run, extend or stop work on this node's executor for a lease it holds. Fenced: it
+    /// comes only once the lease behind it is durable.
+    Run(RunOrder),
+}
+
+/// What the worker's executor must do for a lease this node holds. Each names its attempt
+/// by a request id made of job, task, rank and epoch, so a repeated order (a restart, an
+/// award seen twice) never runs the work twice, and a stale epoch is another request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunOrder {
+    /// The lease is current: admit and run the task (or, when the executor already has
+    /// this request, find it again and extend it).
+    Start {
+        /// The executor's request id.
+        request_id: String,
+        /// The assignment.
+        key: AssignmentKey,
+        /// Its epoch.
+        epoch: u64,
+        /// The task as the offer published it (`None`: the offer is gone; only an attempt
+        /// the executor already has can go on).
+        task: Option<Box<TaskSpec>>,
+        /// The synthetic task's seed, from the award (unknown before it).
+        seed: Digest,
+        /// The lease's end.
+        until: Timestamp,
+    },
+    /// The lease was renewed: the attempt may run until `until`.
+    Renew {
+        /// The executor's request id.
+        request_id: String,
+        /// The lease's new end.
+        until: Timestamp,
+    },
+    /// The lease ended: stop the attempt (the stop recorded first).
+    Stop {
+        /// The executor's request id.
+        request_id: String,
+        /// Why.
+        why: String,
+    },
+}
+
+impl RunOrder {
+    /// The executor's request id for an assignment at an epoch.
+    pub fn request_id(key: &AssignmentKey, epoch: u64) -> String {
+        format!("lease/{}/{}/{}/{epoch}", key.0, key.1, key.2)
+    }
+
+    /// The synthetic task's seed for the award with message id `award`.
+    pub fn seed(award: &Digest) -> Digest {
+        let mut bytes = b"cannabis/synthetic-seed/v1/".to_vec();
+        bytes.extend_from_slice(&award.0);
+        Digest::of(&bytes)
+    }
 }
 
 /// What the node's owner or requester asks of the engine. (Consumed at once, never
@@ -501,6 +560,16 @@ pub enum Command {
         epoch: u64,
         /// Output digests by name.
         outputs: Vec<NamedDigest>,
+    },
+    /// The executor's attempt for a lease this node holds changed stage: the requester is
+    /// told (only while the lease is current at that epoch).
+    Ran {
+        /// The executor's request id ([`RunOrder::request_id`]).
+        request_id: String,
+        /// Where the attempt stands.
+        stage: RunStage,
+        /// Why, for a refusal or a failure (cut to 256 bytes).
+        detail: String,
     },
     /// A rank of one of this node's jobs failed, as its worker reported it.
     RankFailed {
@@ -739,6 +808,17 @@ impl Market {
         (m.view.config.offer_rate, m.view.config.ad_rate) = rates;
         m.forget_evicted();
         m.leases = Leases::restore(m.me.address, bids, leases);
+        // Work under leases still current goes on: the executor finds each attempt again
+        // by its request id (or runs it, if it never got it).
+        let current: Vec<(AssignmentKey, Lease)> = m
+            .leases
+            .iter()
+            .filter(|(_, l)| l.is_live() && l.expires_at > now)
+            .map(|(k, l)| (*k, l.clone()))
+            .collect();
+        for (key, lease) in current {
+            m.run_start(key, &lease);
+        }
         m.prune_passes();
         m
     }
@@ -839,6 +919,14 @@ impl Market {
                     .ok_or(CommandError::UnknownJob(job))?;
                 let actions = j.on_failed(task, rank, epoch, &reason, now)?;
                 self.job_changed(job, actions);
+                Ok(CommandOk::Done)
+            }
+            Command::Ran {
+                request_id,
+                stage,
+                detail,
+            } => {
+                self.report_run(&request_id, stage, detail)?;
                 Ok(CommandOk::Done)
             }
         }
@@ -971,6 +1059,7 @@ impl Market {
             Inbound::Renewal(r) => ("renewal", self.on_renewal(from, r)),
             Inbound::Cancel(r) => ("cancellation", self.on_cancel(from, r)),
             Inbound::Pass(r) => ("challenge pass", self.on_pass(from, r)),
+            Inbound::RunReport(r) => ("run report", self.on_run_report(from, r)),
         };
         match outcome {
             Ok(()) => self.out.fenced(Output::Reply {

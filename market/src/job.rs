@@ -29,8 +29,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, Decline, Digest, JobOffer, LeaseAccept, LeaseRenewal,
-    MoneyError, NamedDigest, PublicKeyBytes, Received, Rendezvous, RosterEntry, SignatureBytes,
-    Signed, TaskInput, Timestamp, Uuid, message_id,
+    MoneyError, NamedDigest, PublicKeyBytes, Received, Rendezvous, RosterEntry, RunReport,
+    RunStage, SignatureBytes, Signed, TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -239,6 +239,21 @@ pub struct Assignment {
     /// until every rank holds its lease).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_renewal_at: Option<Timestamp>,
+    /// Where the worker says its attempt stands (its latest signed report at this epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+}
+
+/// A worker's latest report on the work of a lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// Where the attempt stands.
+    pub stage: RunStage,
+    /// Why, for a refusal or a failure.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+    /// When the worker reported it.
+    pub at: Timestamp,
 }
 
 impl Assignment {
@@ -890,6 +905,52 @@ impl Job {
         Ok(a)
     }
 
+    /// A worker's signed report on its attempt: taken from the rank's worker at its
+    /// current epoch while the lease is current (an older epoch's, or another node's, is
+    /// refused). A new stage goes into the history; a report older than the last is
+    /// ignored.
+    pub fn on_run_report(&mut self, report: &RunReport, now: Timestamp) -> Result<(), Refusal> {
+        if report.job_id != self.offer.job_id {
+            return Err(Refusal::UnknownJob(report.job_id));
+        }
+        let requester = self.offer.requester;
+        let a = self.assignment(report.task, report.rank, report.epoch)?;
+        if report.worker != a.worker || report.requester != requester {
+            return Err(Refusal::NotTheLease);
+        }
+        if a.state != LeaseState::Current {
+            return Err(Refusal::LeaseEnded);
+        }
+        if a.progress.as_ref().is_some_and(|p| p.at > report.issued_at) {
+            return Ok(());
+        }
+        let changed = a.progress.as_ref().is_none_or(|p| p.stage != report.stage);
+        a.progress = Some(Progress {
+            stage: report.stage,
+            detail: report.detail.clone(),
+            at: report.issued_at,
+        });
+        let worker = a.worker;
+        if changed {
+            let detail = if report.detail.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", report.detail)
+            };
+            self.log(
+                now,
+                Some(report.task),
+                format!(
+                    "rank {} on {worker} (epoch {}): {}{detail}",
+                    report.rank,
+                    report.epoch,
+                    report.stage.name()
+                ),
+            );
+        }
+        Ok(())
+    }
+
     /// The worker acknowledged a renewal up to `expires_at`: the lease is extended.
     pub fn on_renewed(
         &mut self,
@@ -1235,6 +1296,7 @@ impl Job {
                 expires_at,
                 renewal_sent: None,
                 first_renewal_at: None,
+                progress: None,
                 accepted: None,
             });
             actions.push(Action::Award(award));

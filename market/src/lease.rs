@@ -9,7 +9,8 @@
 use std::collections::BTreeMap;
 
 use cannabis_protocol::{
-    Address, Amount, Award, Bid, Cancel, Digest, LeaseAccept, LeaseRenewal, Timestamp, Uuid,
+    Address, Amount, Award, Bid, Cancel, Digest, LeaseAccept, LeaseRenewal, TaskSpec, Timestamp,
+    Uuid,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +59,10 @@ pub struct Lease {
     pub expires_at: Timestamp,
     /// Where it stands.
     pub state: WorkerLeaseState,
+    /// The task it is for, as the offer published it: what the executor runs (the offer
+    /// may leave the view before the lease ends).
+    #[serde(default)]
+    pub task: Option<Box<TaskSpec>>,
 }
 
 impl Lease {
@@ -104,6 +109,10 @@ pub struct SentBid {
     pub bid: Bid,
     /// Its requester.
     pub requester: Address,
+    /// The task it is for, as the offer published it (the offer may leave the view
+    /// before the award comes): what the lease will run.
+    #[serde(default)]
+    pub task: Option<Box<TaskSpec>>,
 }
 
 /// The leases of one worker, and the bids it sent.
@@ -262,6 +271,7 @@ impl Leases {
                 price: award.price,
                 expires_at: award.expires_at,
                 state: WorkerLeaseState::Current,
+                task: sent.task.clone(),
             },
         );
         let accept = LeaseAccept {
@@ -371,7 +381,14 @@ mod tests {
         };
         let bid_id = Digest::of(b"bid");
         let mut leases = Leases::new(me);
-        leases.on_bid_sent(bid_id, SentBid { bid, requester });
+        leases.on_bid_sent(
+            bid_id,
+            SentBid {
+                bid,
+                requester,
+                task: None,
+            },
+        );
         let award = |epoch: u64| Award {
             job_id: job,
             task: 0,

@@ -55,6 +55,10 @@ pub struct NodeConfig {
     /// The file this configuration came from, if any.
     #[serde(skip)]
     pub source: Option<std::path::PathBuf>,
+    /// The `cannabis` binary the executor's sandboxes re-execute: this process's own when
+    /// unset (set by programs that embed the node, such as tests).
+    #[serde(skip)]
+    pub program: Option<std::path::PathBuf>,
 }
 
 /// Sizing of the capability challenges this node sets (see docs/security.md).
@@ -234,6 +238,7 @@ impl Default for NodeConfig {
             fanin: cannabis_market::fanin::FaninConfig::default(),
             executor: cannabis_runtime::exec::LimitsFile::default(),
             supervisor: None,
+            program: None,
             ceilings: None,
             source: None,
         }

@@ -39,7 +39,7 @@ pub fn ceilings_path(flag: Option<&Path>) -> PathBuf {
 
 /// Opens an executor under `dir` with the ceilings at `ceilings` and the owner's limits.
 /// `cdi_map` is the owner's pinned NVIDIA CDI map, from which granted GPUs' device nodes
-/// come.
+/// come. Sandboxes re-execute `program` (this binary when `None`).
 pub fn open(
     dir: &Path,
     machine: &Limits,
@@ -47,10 +47,14 @@ pub fn open(
     owner: &LimitsFile,
     cdi_map: Option<&Path>,
     journal: Arc<dyn Journal>,
+    program: Option<&Path>,
 ) -> Result<Executor, String> {
     let ceilings = Ceilings::load(ceilings, machine)?;
     let owner = ceilings.owner(owner)?;
-    let program = std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?;
+    let program = match program {
+        Some(p) => p.to_path_buf(),
+        None => std::env::current_exe().map_err(|e| format!("finding this binary: {e}"))?,
+    };
     let mut cfg = ExecutorConfig::new(dir.to_path_buf(), program, ceilings, owner);
     cfg.cdi_map = cdi_map.map(Path::to_path_buf);
     Executor::open(cfg, journal).map_err(|e| e.to_string())
@@ -167,6 +171,15 @@ impl ExecutorHandle {
         }
     }
 
+    /// The adapters the executor would take work for now (the supervisor's as last
+    /// seen): none while the owner's switch is not active.
+    pub fn adapters(&self) -> Vec<AdapterKind> {
+        match self {
+            Self::Local(ex) => ex.runnable_adapters(),
+            Self::Supervised(s) => Self::seen(s).adapters.clone(),
+        }
+    }
+
     /// The owner's limits in force (the supervisor's as last seen).
     pub fn limits(&self) -> Limits {
         match self {
@@ -258,7 +271,10 @@ impl ExecutorHandle {
         self.ask(
             |ex| ex.set_control(control),
             || Request::SetControl { control },
-        )
+        )?;
+        // What the ad offers follows the switch.
+        let _ = self.info();
+        Ok(())
     }
 
     /// Sets the owner's limits, within the ceilings.
@@ -269,9 +285,7 @@ impl ExecutorHandle {
                 limits: limits.clone(),
             },
         )?;
-        if let Self::Supervised(s) = self {
-            Self::seen(s).limits = set.clone();
-        }
+        let _ = self.info();
         Ok(set)
     }
 

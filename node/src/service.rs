@@ -11,6 +11,7 @@ mod challenge;
 mod directed;
 mod gossip;
 mod handle;
+mod run;
 
 pub use cannabis_market::OfferTemplate;
 pub use handle::NodeHandle;
@@ -118,6 +119,12 @@ pub(crate) enum Command {
     ),
     /// The local executor opened (or could not).
     ExecutorReady,
+    /// A leased attempt changed stage: tell its requester.
+    Ran {
+        request_id: String,
+        stage: cannabis_protocol::RunStage,
+        detail: String,
+    },
     /// Set a peer the capability challenge.
     Challenge(
         PeerId,
@@ -172,6 +179,10 @@ pub(crate) struct Node {
     executor: handle::ExecutorSlot,
     /// The task opening it: waited for when the node stops (it holds the store).
     opening: Option<tokio::task::JoinHandle<()>>,
+    /// Where the engine's run orders go: leased work on the executor.
+    runner: mpsc::UnboundedSender<cannabis_market::RunOrder>,
+    /// The task carrying them out: waited for when the node stops (it holds the executor).
+    running: Option<tokio::task::JoinHandle<()>>,
     /// Probes asked for, and the newest one applied: an older probe that finishes late
     /// never replaces a newer one.
     probes_asked: u64,
@@ -305,6 +316,7 @@ pub async fn start(
     let (internal_tx, internal_rx) = mpsc::channel(16);
     let (executor_tx, executor_rx) = watch::channel(None);
     let market_config = market_config(&config);
+    let (runner, running) = run::spawn(executor_rx.clone(), internal_tx.clone());
     let identity = Identity {
         address,
         delivery: keys.delivery.recipient(),
@@ -327,6 +339,8 @@ pub async fn start(
         market_config,
         topics: swarm::Topics::new(config.gossip.offer_shards),
         store: store.clone(),
+        runner,
+        running: Some(running),
         executor: executor_rx.clone(),
         opening: None,
         probes_asked: 0,
@@ -415,6 +429,7 @@ fn open_executor(
     let ceilings = crate::exec::ceilings_path(config.ceilings.as_deref());
     let owner = config.executor.clone();
     let cdi_map = config.owner.cdi_map.clone();
+    let program = config.program.clone();
     let data_dir = data_dir.to_path_buf();
     let journal: Arc<dyn cannabis_runtime::exec::Journal> = store.clone();
     if let Some(socket) = config.supervisor.clone() {
@@ -438,6 +453,7 @@ fn open_executor(
             &owner,
             cdi_map.as_deref(),
             journal,
+            program.as_deref(),
         )
         .map(crate::exec::ExecutorHandle::Local);
         match &opened {
@@ -594,9 +610,25 @@ impl Node {
             }
             self.drain();
         }
-        // The executor's opening holds the store: the node is stopped when it is done.
+        // The executor's opening holds the store: the node is stopped when it is done, and
+        // when the run orders' task (which holds the executor) has seen the last one.
         if let Some(opening) = self.opening.take() {
             let _ = tokio::time::timeout(Duration::from_secs(60), opening).await;
+        }
+        self.runner = mpsc::unbounded_channel().0;
+        if let Some(running) = self.running.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(60), running).await;
+        }
+        // An executor in this process stops its drivers (running sandboxes go on under
+        // their leases and are found again by the next start).
+        let local = match self.executor.borrow().as_deref() {
+            Some(Ok(crate::exec::ExecutorHandle::Local(ex))) => Some(ex.clone()),
+            _ => None,
+        };
+        if let Some(ex) = local {
+            let _ =
+                tokio::task::spawn_blocking(move || ex.shutdown_and_wait(Duration::from_secs(10)))
+                    .await;
         }
         info!("node stopped");
     }
@@ -629,6 +661,9 @@ impl Node {
                     }
                 }
                 Output::Event(e) => self.on_event(e),
+                Output::Run(order) => {
+                    let _ = self.runner.send(order);
+                }
             }
         }
     }
@@ -872,6 +907,24 @@ impl Node {
                 }
             }
             Command::ExecutorReady => self.publish_ad_soon(),
+            Command::Ran {
+                request_id,
+                stage,
+                detail,
+            } => {
+                if self.safe_mode.is_none() {
+                    let ran = MarketCommand::Ran {
+                        request_id: request_id.clone(),
+                        stage,
+                        detail,
+                    };
+                    match self.market.command(now_ms, ran) {
+                        Ok(_) => debug!(%request_id, stage = stage.name(), "run reported"),
+                        Err(e) => debug!(%request_id, error = %e, "run not reported"),
+                    }
+                    self.drain();
+                }
+            }
         }
     }
 

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cannabis_protocol::IsolationLayer;
+use cannabis_protocol::{AdapterKind, IsolationLayer};
 use cannabis_runtime::exec::{
     Attempt, AttemptRequest, Chunk, Cleanup, Control, ExecError, Executor, Limits, LimitsFile,
     MAX_CHUNK, Reservation,
@@ -141,6 +141,10 @@ pub struct ExecutorStatus {
     pub as_root: bool,
     /// The version of the process running it.
     pub version: String,
+    /// The adapters it would take work for now (none while the owner's switch is not
+    /// active): what the node's ad may offer.
+    #[serde(default)]
+    pub adapters: Vec<AdapterKind>,
 }
 
 impl ExecutorStatus {
@@ -156,6 +160,7 @@ impl ExecutorStatus {
             reserved: ex.reserved(),
             as_root: nix::unistd::geteuid().is_root(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            adapters: ex.runnable_adapters(),
         }
     }
 }

@@ -80,6 +80,9 @@ pub fn decode_any(data: &[u8]) {
                     MarketRequest::Cancel(s) => {
                         let _ = s.open();
                     }
+                    MarketRequest::RunReport(s) => {
+                        let _ = s.open();
+                    }
                     MarketRequest::ChallengePass(s) => {
                         let _ = s.open();
                     }

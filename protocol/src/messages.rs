@@ -25,7 +25,10 @@ pub use ledger::{
     Block, BlockError, BlockHeader, EscrowAssign, EscrowLock, EscrowSettle, ResultCommit,
     SUBMIT_RESULT_GAS_LIMIT, Transaction, TxError, TxPayload, TxType, compute_leaves,
 };
-pub use market::{Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, RosterEntry};
+pub use market::{
+    Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, RosterEntry, RunReport,
+    RunStage,
+};
 pub use offer::{
     AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_GROUP_SIZE, MAX_TASKS, OutputDecl,
     OutputRights, Requirements, Resources, RuntimeRequirement, TaskInput, TaskSpec, Workload,

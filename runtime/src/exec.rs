@@ -155,6 +155,8 @@ struct Inner {
     state: Mutex<State>,
     shutdown: AtomicBool,
     pause_at: Option<String>,
+    /// The attempts' driver threads, for [`Executor::shutdown_and_wait`].
+    drivers: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 struct State {
@@ -230,6 +232,7 @@ impl Executor {
             }),
             shutdown: AtomicBool::new(false),
             pause_at,
+            drivers: Mutex::new(Vec::new()),
         };
         inner.layers = inner.probe_layers()?;
         let inner = Arc::new(inner);
@@ -431,6 +434,14 @@ impl Executor {
         self.inner.lock().control
     }
 
+    /// The adapters admission would take work for now: none unless the owner's switch is
+    /// active; of the rest, those this executor implements, the owner allows, and this
+    /// machine gives every layer they need (custom code also needs root). What the ad may
+    /// offer.
+    pub fn runnable_adapters(&self) -> Vec<AdapterKind> {
+        self.inner.runnable(&self.inner.lock())
+    }
+
     /// One attempt.
     pub fn get(&self, id: &str) -> Result<Attempt, ExecError> {
         self.inner
@@ -529,6 +540,26 @@ impl Executor {
     /// unless a next executor renews them).
     pub fn shutdown(&self) {
         self.inner.shutdown.store(true, Ordering::SeqCst);
+    }
+
+    /// [`Executor::shutdown`], then waits up to `timeout` for the drivers to return (they
+    /// hold the journal: a process that opens it again must wait for them). Whether they
+    /// all did.
+    pub fn shutdown_and_wait(&self, timeout: Duration) -> bool {
+        self.shutdown();
+        let drivers =
+            std::mem::take(&mut *self.inner.drivers.lock().unwrap_or_else(|p| p.into_inner()));
+        let deadline = Instant::now() + timeout;
+        for d in drivers {
+            while !d.is_finished() {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let _ = d.join();
+        }
+        true
     }
 }
 
@@ -731,27 +762,24 @@ impl Inner {
     fn spawn_driver(inner: &Arc<Self>, id: String) {
         let inner = Arc::clone(inner);
         let name = format!("attempt-{id}");
-        let _ = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || driver::drive(&inner, &id));
+        let spawned = std::thread::Builder::new().name(name).spawn({
+            let inner = Arc::clone(&inner);
+            move || driver::drive(&inner, &id)
+        });
+        if let Ok(handle) = spawned {
+            let mut drivers = inner.drivers.lock().unwrap_or_else(|p| p.into_inner());
+            drivers.retain(|h| !h.is_finished());
+            drivers.push(handle);
+        }
     }
 
-    /// Admission: the owner's switch, the adapter, the isolation the task requires, and
-    /// every resource against the owner's limits and what is free now.
-    fn admit(&self, st: &State, request: &AttemptRequest) -> Result<Reservation, String> {
-        match st.control {
-            Control::Active => {}
-            Control::Paused => {
-                return Err("paused by the owner: no new starts (cannabis node resume)".into());
-            }
-            Control::Draining => {
-                return Err("draining: current work finishes, nothing new is taken".into());
-            }
-            Control::Stopped => return Err("stopped by the owner".into()),
-        }
-        let task = &request.task;
-        let kind = task.workload.adapter;
-        let owner = &st.owner;
+    /// The adapter for `kind`, if this executor implements it, the owner allows it, and
+    /// this machine gives it every layer it needs; else why not.
+    fn adapter_for(
+        &self,
+        owner: &Limits,
+        kind: AdapterKind,
+    ) -> Result<&'static dyn adapter::Adapter, String> {
         let Some(adapter) = adapter::adapter(kind) else {
             return Err(format!(
                 "this executor has no {} adapter yet",
@@ -785,6 +813,40 @@ impl Inner {
                     .into(),
             );
         }
+        Ok(adapter)
+    }
+
+    /// See [`Executor::runnable_adapters`].
+    fn runnable(&self, st: &State) -> Vec<AdapterKind> {
+        if st.control != Control::Active {
+            return Vec::new();
+        }
+        [
+            AdapterKind::Process,
+            AdapterKind::Synthetic,
+            AdapterKind::Torchrun,
+        ]
+        .into_iter()
+        .filter(|k| self.adapter_for(&st.owner, *k).is_ok())
+        .collect()
+    }
+
+    /// Admission: the owner's switch, the adapter, the isolation the task requires, and
+    /// every resource against the owner's limits and what is free now.
+    fn admit(&self, st: &State, request: &AttemptRequest) -> Result<Reservation, String> {
+        match st.control {
+            Control::Active => {}
+            Control::Paused => {
+                return Err("paused by the owner: no new starts (cannabis node resume)".into());
+            }
+            Control::Draining => {
+                return Err("draining: current work finishes, nothing new is taken".into());
+            }
+            Control::Stopped => return Err("stopped by the owner".into()),
+        }
+        let task = &request.task;
+        let owner = &st.owner;
+        let adapter = self.adapter_for(owner, task.workload.adapter)?;
         for layer in &task.requirements.isolation {
             if !self.layers.contains(layer) {
                 return Err(format!(
@@ -1165,6 +1227,7 @@ pub(crate) mod tests {
             }),
             shutdown: AtomicBool::new(false),
             pause_at: None,
+            drivers: Mutex::new(Vec::new()),
         }
     }
 
@@ -1238,6 +1301,25 @@ pub(crate) mod tests {
             ex.admit(&ex.lock(), &req(task(AdapterKind::Synthetic)))
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn only_what_admission_would_take_is_runnable() {
+        let mut ex = inner(adapter::PROCESS_LAYERS.to_vec());
+        ex.as_root = true;
+        assert_eq!(
+            ex.runnable(&ex.lock()),
+            vec![AdapterKind::Process, AdapterKind::Synthetic]
+        );
+        // Not root: no custom code.
+        ex.as_root = false;
+        assert_eq!(ex.runnable(&ex.lock()), vec![AdapterKind::Synthetic]);
+        // The owner forbids custom code, or paused the node: nothing of it, or nothing.
+        ex.as_root = true;
+        ex.lock().owner.custom_code = false;
+        assert_eq!(ex.runnable(&ex.lock()), vec![AdapterKind::Synthetic]);
+        ex.lock().control = Control::Paused;
+        assert!(ex.runnable(&ex.lock()).is_empty());
     }
 
     #[test]

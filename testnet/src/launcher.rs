@@ -67,6 +67,7 @@ impl Testnet {
         anyhow::ensure!(opts.nodes >= 1, "a testnet needs at least one node");
         fs::create_dir_all(&opts.dir)
             .with_context(|| format!("creating {}", opts.dir.display()))?;
+        open_to_sandboxes(&opts.dir)?;
         let record = opts.dir.join("testnet.json");
         if record.exists() && !live_pids(&opts.dir)?.is_empty() {
             bail!(
@@ -400,6 +401,32 @@ fn ensure_keys(binary: &Path, data_dir: &Path, who: &str) -> anyhow::Result<()> 
         .output()
         .with_context(|| format!("running {}", binary.display()))?;
     keys_made(&out, who)
+}
+
+/// The nodes' executors run work as uids of their own (as root), which must reach the
+/// nodes' data directories: the testnet's directory is made traversable (0711: nothing in
+/// it can be listed), and an ancestor that other users cannot pass is named.
+fn open_to_sandboxes(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o711))
+        .with_context(|| format!("opening {} to the sandboxes", dir.display()))?;
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(());
+    }
+    let abs = dir.canonicalize()?;
+    let closed = abs
+        .ancestors()
+        .skip(1)
+        .find(|a| fs::metadata(a).is_ok_and(|m| m.permissions().mode() & 0o001 == 0));
+    if let Some(closed) = closed {
+        eprintln!(
+            "warning: other users cannot pass {} (no o+x), so the nodes' executors cannot run work under {}: chmod o+x {} or choose a --dir elsewhere",
+            closed.display(),
+            dir.display(),
+            closed.display()
+        );
+    }
+    Ok(())
 }
 
 fn has_keys(data_dir: &Path) -> bool {

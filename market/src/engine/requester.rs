@@ -325,29 +325,50 @@ impl Market {
         Ok(())
     }
 
+    /// The job of this node that a message names, once the message came from its signer
+    /// and (for a job this node has) its signature verifies.
+    fn signed_for_job<T: cannabis_protocol::Message>(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: &Received<T>,
+        job_id: cannabis_protocol::Uuid,
+    ) -> Result<&mut crate::job::Job, Refusal> {
+        Self::from_signer(from, r)?;
+        if !self.jobs.contains_key(&job_id) {
+            return Err(Refusal::UnknownJob(job_id));
+        }
+        self.check_signature(r)?;
+        self.jobs
+            .get_mut(&job_id)
+            .ok_or(Refusal::UnknownJob(job_id))
+    }
+
     /// A worker's countersignature of an award of this node.
     pub(super) fn on_accept(
         &mut self,
         from: cannabis_protocol::Address,
         r: Received<LeaseAccept>,
     ) -> Result<(), Refusal> {
-        Self::from_signer(from, &r)?;
-        let job_id = r.body.job_id;
-        if !self.jobs.contains_key(&job_id) {
-            return Err(Refusal::UnknownJob(job_id));
-        }
-        self.check_signature(&r)?;
-        let now = self.now;
-        let task = r.body.task;
-        let job = self
-            .jobs
-            .get_mut(&job_id)
-            .ok_or(Refusal::UnknownJob(job_id))?;
+        let (job_id, task, now) = (r.body.job_id, r.body.task, self.now);
+        let job = self.signed_for_job(from, &r, job_id)?;
         let actions = job.on_accept(&r, now)?;
         if job.tasks()[task as usize].status() == &crate::job::TaskStatus::Running {
             self.event(MarketEvent::TaskLeased { job: job_id, task });
         }
         self.job_changed(job_id, actions);
+        Ok(())
+    }
+
+    /// A worker's report on the work of a lease of one of this node's jobs.
+    pub(super) fn on_run_report(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: Received<cannabis_protocol::RunReport>,
+    ) -> Result<(), Refusal> {
+        let (job_id, now) = (r.body.job_id, self.now);
+        let job = self.signed_for_job(from, &r, job_id)?;
+        job.on_run_report(&r.body, now)?;
+        self.job_changed(job_id, Vec::new());
         Ok(())
     }
 

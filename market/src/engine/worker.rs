@@ -4,11 +4,13 @@
 
 use std::sync::Arc;
 
-use cannabis_protocol::{Address, Award, Cancel, JobOffer, LeaseRenewal, Received, message_id};
+use cannabis_protocol::{
+    Address, Award, Cancel, JobOffer, LeaseRenewal, Received, RunReport, RunStage, message_id,
+};
 
-use super::{KEEP_ENDED_MS, Market, MarketEvent, Outbound, Purpose, RecordKey};
+use super::{KEEP_ENDED_MS, Market, MarketEvent, Outbound, Output, Purpose, RecordKey, RunOrder};
 use crate::Refusal;
-use crate::lease::{SentBid, Stopped};
+use crate::lease::{AssignmentKey, Lease, SentBid, Stopped};
 use crate::quote::{self, Answer};
 
 impl Market {
@@ -53,6 +55,7 @@ impl Market {
                         SentBid {
                             bid: bid.clone(),
                             requester,
+                            task: offer.tasks.get(task as usize).cloned().map(Box::new),
                         },
                     );
                     // Kept before it is sent: an award for it is recognised after a restart.
@@ -104,7 +107,63 @@ impl Market {
         });
         let purpose = Purpose::Other("lease acceptance", requester);
         self.send(requester, Outbound::Accept(accept), purpose);
+        if let Some(lease) = self.leases.get(&key).cloned() {
+            self.run_start(key, &lease);
+        }
         Ok(())
+    }
+
+    /// The executor's attempt for a lease changed stage: the requester is told, signed,
+    /// while the lease is current at that epoch (a stale epoch's attempt reports nothing).
+    pub(super) fn report_run(
+        &mut self,
+        request_id: &str,
+        stage: RunStage,
+        mut detail: String,
+    ) -> Result<(), Refusal> {
+        let now = self.now;
+        let (key, lease) = self
+            .leases
+            .iter()
+            .find(|(k, l)| RunOrder::request_id(k, l.epoch) == request_id)
+            .map(|(k, l)| (*k, l.clone()))
+            .ok_or(Refusal::NoLease)?;
+        if !self.leases.is_current(&key, lease.epoch, now) {
+            return Err(Refusal::LeaseEnded);
+        }
+        if detail.len() > RunReport::MAX_DETAIL {
+            let mut end = RunReport::MAX_DETAIL;
+            while !detail.is_char_boundary(end) {
+                end -= 1;
+            }
+            detail.truncate(end);
+        }
+        let report = RunReport {
+            job_id: key.0,
+            task: key.1,
+            rank: key.2,
+            requester: lease.requester,
+            worker: self.me.address,
+            epoch: lease.epoch,
+            stage,
+            detail,
+            issued_at: now,
+        };
+        let purpose = Purpose::Other("run report", lease.requester);
+        self.send(lease.requester, Outbound::RunReport(report), purpose);
+        Ok(())
+    }
+
+    /// Asks the executor to run the work of a current lease (once the lease is durable).
+    pub(super) fn run_start(&mut self, key: AssignmentKey, lease: &Lease) {
+        self.out.fenced(Output::Run(RunOrder::Start {
+            request_id: RunOrder::request_id(&key, lease.epoch),
+            key,
+            epoch: lease.epoch,
+            task: lease.task.clone(),
+            seed: RunOrder::seed(&lease.award),
+            until: lease.expires_at,
+        }));
     }
 
     pub(super) fn on_renewal(
@@ -117,7 +176,15 @@ impl Market {
         let now = self.now;
         self.leases.on_renewal(&r.body, now)?;
         let b = &r.body;
-        self.out.dirty(RecordKey::Lease((b.job_id, b.task, b.rank)));
+        let key = (b.job_id, b.task, b.rank);
+        self.out.dirty(RecordKey::Lease(key));
+        if let Some(lease) = self.leases.get(&key) {
+            let order = RunOrder::Renew {
+                request_id: RunOrder::request_id(&key, lease.epoch),
+                until: lease.expires_at,
+            };
+            self.out.fenced(Output::Run(order));
+        }
         Ok(())
     }
 
@@ -132,6 +199,10 @@ impl Market {
     }
 
     fn lease_ended(&mut self, s: Stopped) {
+        self.out.fenced(Output::Run(RunOrder::Stop {
+            request_id: RunOrder::request_id(&s.key, s.epoch),
+            why: s.reason.to_string(),
+        }));
         self.event(MarketEvent::LeaseEnded {
             key: s.key,
             epoch: s.epoch,

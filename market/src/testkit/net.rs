@@ -13,7 +13,7 @@ use cannabis_protocol::{
 use crate::{
     Answer, Command, GossipId, Heard, Identity, Inbound, InboundId, Input, Market, MarketConfig,
     MarketEvent, Origin, Outbound, OutboundId, Output, Publish, Record, RecordKey, RecordOp,
-    Refusal, Reply,
+    Refusal, Reply, RunOrder,
 };
 
 /// What travels between nodes.
@@ -91,6 +91,8 @@ pub struct Node {
     pub penalized: Vec<(Address, Refusal)>,
     /// Batches it wrote (each one durable write).
     pub store_writes: usize,
+    /// Run orders for its executor, in order.
+    pub runs: Vec<RunOrder>,
     config: MarketConfig,
     keys: Option<Keypair>,
     inbound: BTreeMap<InboundId, (Address, OutboundId)>,
@@ -108,6 +110,7 @@ impl Node {
             refusals: Vec::new(),
             penalized: Vec::new(),
             store_writes: 0,
+            runs: Vec::new(),
             config,
             keys,
             inbound: BTreeMap::new(),
@@ -179,6 +182,7 @@ impl Node {
                         Outbound::Accept(a) => self.open(a).map(Inbound::Accept),
                         Outbound::Renewal(r) => self.open(r).map(Inbound::Renewal),
                         Outbound::Cancel(c) => self.open(c).map(Inbound::Cancel),
+                        Outbound::RunReport(r) => self.open(r).map(Inbound::RunReport),
                     };
                     if let Some(msg) = msg {
                         out.push(Envelope::Request {
@@ -224,6 +228,7 @@ impl Node {
                 }
                 Output::Penalize { peer, why } => self.penalized.push((peer, why)),
                 Output::Event(e) => self.events.push(e),
+                Output::Run(order) => self.runs.push(order),
             }
         }
         out

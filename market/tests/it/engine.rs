@@ -12,7 +12,7 @@ use cannabis_market::testkit::net::{Envelope, Net, Node};
 use cannabis_market::testkit::{self, Machine};
 use cannabis_market::{
     Command, CommandError, CommandOk, Inbound, Market, MarketEvent, OfferTemplate, OutboundId,
-    Output, Publish, Refusal, Signatures, Verdict, View, ViewConfig,
+    Output, Publish, RecordKey, Refusal, RunOrder, Signatures, Verdict, View, ViewConfig,
 };
 use cannabis_protocol::draw::{self, BidCall};
 use cannabis_protocol::*;
@@ -531,4 +531,130 @@ fn a_requester_past_the_offer_rate_is_told_before_anything_is_kept() {
             )
             .is_ok()
     );
+}
+
+#[test]
+fn a_lease_runs_its_task_on_the_executor_and_its_end_stops_it() {
+    let nodes = vec![
+        Node::new(config(), identity(0), Some(testkit::keys(0)), T0),
+        Node::new(config(), identity(1), Some(testkit::keys(1)), T0),
+    ];
+    let mut net = network(nodes, |_| Machine::default());
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let template = || testkit::template(vec![task.clone()], WINDOW, 3_600_000);
+    let job = submit(&mut net, template(), [1; 16]);
+    net.settle(T0);
+    assert!(net.nodes[1].runs.is_empty(), "nothing runs before an award");
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let key = (job, 0, 0);
+    let id = RunOrder::request_id(&key, 1);
+    // The award made a lease: the worker's executor is asked to run the task as the
+    // offer published it, under a request id of the assignment and epoch.
+    let Some(RunOrder::Start {
+        request_id,
+        key: k,
+        epoch: 1,
+        task: Some(t),
+        until,
+        ..
+    }) = net.nodes[1].runs.first()
+    else {
+        panic!("{:?}", net.nodes[1].runs)
+    };
+    assert_eq!((request_id, *k), (&id, key));
+    assert_eq!(**t, task);
+    let first_until = *until;
+    let lease = net.nodes[1].market.leases().get(&key).unwrap().clone();
+    assert!(net.nodes[1].store.contains_key(&RecordKey::Lease(key)));
+    // A single worker's lease is renewed as soon as it is countersigned: the executor's
+    // lease end follows.
+    assert_eq!(
+        net.nodes[1].runs.last(),
+        Some(&RunOrder::Renew {
+            request_id: id.clone(),
+            until: lease.expires_at
+        })
+    );
+    assert!(lease.expires_at > first_until);
+
+    // The executor says the work runs: the requester is told, signed, and keeps it as the
+    // rank's progress.
+    net.nodes[1]
+        .market
+        .command(
+            end,
+            Command::Ran {
+                request_id: id.clone(),
+                stage: RunStage::Running,
+                detail: String::new(),
+            },
+        )
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    let rank = |net: &Net| {
+        net.nodes[0].market.job(&job).unwrap().tasks()[0].ranks()[0]
+            .progress
+            .clone()
+    };
+    assert_eq!(rank(&net).map(|p| p.stage), Some(RunStage::Running));
+
+    // A renewal moves the executor's lease end with the market lease's.
+    let renew_at = Timestamp(lease.expires_at.0 - (config().leases.renew_margin_ms - 1));
+    net.tick(renew_at);
+    net.settle(renew_at);
+    let renewed = net.nodes[1].market.leases().get(&key).unwrap().expires_at;
+    assert!(renewed > lease.expires_at);
+    assert_eq!(
+        net.nodes[1].runs.last(),
+        Some(&RunOrder::Renew {
+            request_id: id.clone(),
+            until: renewed
+        })
+    );
+
+    // A restart of the worker asks again (the executor finds the attempt by its id).
+    net.nodes[1].restart(renew_at);
+    let before = net.nodes[1].runs.len();
+    net.tick(renew_at);
+    net.settle(renew_at);
+    assert!(net.nodes[1].runs.len() > before);
+    assert!(matches!(
+        &net.nodes[1].runs[before],
+        RunOrder::Start { request_id, .. } if *request_id == id
+    ));
+
+    // The requester cancels: the worker's attempt is stopped.
+    net.nodes[0]
+        .market
+        .command(renew_at, Command::Cancel(job))
+        .unwrap();
+    net.tick(renew_at);
+    net.settle(renew_at);
+    assert!(
+        matches!(
+            net.nodes[1].runs.last(),
+            Some(RunOrder::Stop { request_id, why }) if *request_id == id && why.contains("cancelled")
+        ),
+        "{:?}",
+        net.nodes[1].runs
+    );
+    // The attempt of an ended lease reports nothing.
+    let stale = net.nodes[1].market.command(
+        renew_at,
+        Command::Ran {
+            request_id: id.clone(),
+            stage: RunStage::Completed,
+            detail: String::new(),
+        },
+    );
+    assert!(
+        matches!(stale, Err(CommandError::Refused(Refusal::LeaseEnded))),
+        "{stale:?}"
+    );
+    net.tick(renew_at);
+    net.settle(renew_at);
+    assert_eq!(rank(&net).map(|p| p.stage), Some(RunStage::Running));
 }

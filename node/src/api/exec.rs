@@ -144,6 +144,7 @@ async fn control(
     Json(body): Json<ControlBody>,
 ) -> Result<Json<ExecStatus>, Error> {
     let _ = blocking(&s, move |ex| ex.set_control(body.control)).await?;
+    readvertise(&s).await;
     Ok(Json(status_of(&s).await))
 }
 
@@ -153,7 +154,15 @@ async fn limits(
     Json(body): Json<LimitsFile>,
 ) -> Result<Json<ExecStatus>, Error> {
     let _ = blocking(&s, move |ex| ex.set_owner_limits(&body)).await?;
+    readvertise(&s).await;
     Ok(Json(status_of(&s).await))
+}
+
+/// The ad offers what the executor takes now: after the owner changed it, a new ad.
+async fn readvertise(s: &AppState) {
+    if let Err(e) = s.node.publish_ad().await {
+        tracing::warn!(error = %format!("{e:#}"), "the capability ad was not re-published");
+    }
 }
 
 async fn attempts(State(s): State<AppState>) -> Result<Json<Vec<Attempt>>, Error> {

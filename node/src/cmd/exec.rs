@@ -122,6 +122,7 @@ fn exec_run(
             &owner,
             cdi_map.as_deref(),
             store,
+            None,
         )
         .map_err(|e| anyhow::anyhow!(e))?;
         if !args.format.json {

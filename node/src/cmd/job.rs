@@ -207,8 +207,15 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
                 LeaseState::Done => "delivered",
                 LeaseState::Ended => "ended",
             };
+            let work = r.progress.as_ref().map_or(String::new(), |p| {
+                if p.detail.is_empty() {
+                    format!(", work {}", p.stage.name())
+                } else {
+                    format!(", work {}: {}", p.stage.name(), p.detail)
+                }
+            });
             out!(
-                "  rank {} {} epoch {} price {} {}",
+                "  rank {} {} epoch {} price {} {}{work}",
                 r.rank,
                 r.worker,
                 r.epoch,

@@ -151,6 +151,7 @@ fn serve(args: &SupervisorRunArgs, log_format: LogFormat) -> anyhow::Result<()> 
         &owner,
         args.cdi_map.as_deref(),
         journal,
+        None,
     )
     .map_err(|e| anyhow::anyhow!("the executor cannot run here: {e}"))?;
     let cfg = SupervisorConfig {

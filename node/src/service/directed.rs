@@ -183,6 +183,7 @@ impl Node {
             MarketRequest::LeaseAccept(s) => s.open().map(Inbound::Accept),
             MarketRequest::LeaseRenewal(s) => s.open().map(Inbound::Renewal),
             MarketRequest::Cancel(s) => s.open().map(Inbound::Cancel),
+            MarketRequest::RunReport(s) => s.open().map(Inbound::RunReport),
             MarketRequest::ChallengePass(s) => s.open().map(Inbound::Pass),
         };
         match msg {
@@ -241,6 +242,7 @@ impl Node {
             Outbound::Accept(a) => MarketRequest::LeaseAccept(Signed::sign(k, &a)),
             Outbound::Renewal(r) => MarketRequest::LeaseRenewal(Signed::sign(k, &r)),
             Outbound::Cancel(c) => MarketRequest::Cancel(Signed::sign(k, &c)),
+            Outbound::RunReport(r) => MarketRequest::RunReport(Signed::sign(k, &r)),
         };
         let Some(peer) = swarm::peer_of(&to) else {
             warn!(%to, "no peer id for address");

@@ -229,7 +229,7 @@ impl Node {
         // The ad offers what the executor admits: the owner's limits (within the
         // administrator's ceilings) cap what the probe found.
         let mut hardware = probe.hardware.clone();
-        let isolation = match self.executor.borrow().as_deref() {
+        let (isolation, mut adapters) = match self.executor.borrow().as_deref() {
             Some(Ok(ex)) => {
                 let limits = ex.limits();
                 let cores = u32::try_from(limits.cpu_millicores.div_ceil(1000)).unwrap_or(u32::MAX);
@@ -237,10 +237,20 @@ impl Node {
                 hardware.memory_bytes = hardware.memory_bytes.min(limits.memory_bytes);
                 hardware.swap_bytes = hardware.swap_bytes.min(limits.swap_bytes);
                 hardware.storage_bytes = hardware.storage_bytes.min(limits.storage_bytes);
-                ex.layers()
+                (ex.layers(), ex.adapters())
             }
-            _ => Vec::new(),
+            // No executor (yet, or at all): no capacity for work.
+            _ => {
+                hardware.cpu_cores = 0;
+                hardware.memory_bytes = 0;
+                hardware.swap_bytes = 0;
+                hardware.storage_bytes = 0;
+                hardware.gpus.clear();
+                (Vec::new(), Vec::new())
+            }
         };
+        // Requesters' own programs only on the owner's opt-in (`[worker] custom_code`).
+        adapters.retain(|a| *a == AdapterKind::Synthetic || self.config.worker.custom_code);
         let challenges = self.market.passes_for_ad(hardware.cpu_cores);
         let ad = CapabilityAd {
             node: self.address,
@@ -251,7 +261,7 @@ impl Node {
             hardware,
             os: probe.os.clone(),
             runtimes,
-            adapters: vec![AdapterKind::Synthetic],
+            adapters,
             collectives,
             isolation,
             network: probe.owner.network.clone(),

@@ -267,7 +267,8 @@ fn node_pids(dir: &Path) -> Vec<u32> {
 #[test]
 fn testnet_up_runs_real_nodes_and_down_and_ctrl_c_stop_them() {
     use std::io::{BufRead as _, BufReader};
-    let dir = tempfile::tempdir().unwrap();
+    // Reachable by the nodes' sandbox uids (tempdirs are 0700).
+    let dir = super::exec::open_dir();
     let net = dir.path().join("net");
     let up = || {
         let mut child = Command::new(env!("CARGO_BIN_EXE_cannabis"))
@@ -559,7 +560,9 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     let info = wait_node_json(dir.path());
     // A second node, the only worker the first one can know (a node does not bid on its
     // own offers, so its own ad does not count).
-    let worker_dir = tempfile::tempdir().unwrap();
+    // Reachable by its sandbox uids (tempdirs are 0700), or it has no executor and bids
+    // on nothing.
+    let worker_dir = super::exec::open_dir();
     let bootstrap = format!(
         "{}/p2p/{}",
         info["listen_addrs"][0].as_str().unwrap(),
@@ -725,7 +728,8 @@ fn exec_run_runs_a_job_file_in_the_sandbox_and_signs_the_result() {
 /// docs/benchmarks.md, not to a test.)
 #[test]
 fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
-    let dir = tempfile::tempdir().unwrap();
+    // Reachable by the nodes' sandbox uids (tempdirs are 0700).
+    let dir = super::exec::open_dir();
     let net = dir.path().join("net");
     let o = cannabis(
         dir.path(),

@@ -1,5 +1,6 @@
 //! Tests of the node: the `cannabis` binary as a user runs it, and real swarms on loopback.
 
+mod ads;
 mod cli;
 mod disk;
 mod exec;

@@ -224,3 +224,113 @@ async fn a_worker_restart_keeps_its_bids_and_leases() {
     worker.stop().await;
     requester.stop().await;
 }
+
+/// The worker's executor attempt for an assignment's request id, once `done` holds.
+async fn worker_attempt(
+    worker: &TestNode,
+    request_id: &str,
+    what: &str,
+    done: fn(&cannabis_runtime::exec::Attempt) -> bool,
+) -> cannabis_runtime::exec::Attempt {
+    let h = worker.handle.clone();
+    let request_id = request_id.to_string();
+    wait_for(Duration::from_secs(60), what, || {
+        let h = h.clone();
+        let request_id = request_id.clone();
+        async move {
+            let ex = h.executor().await.ok()?;
+            let all = tokio::task::spawn_blocking(move || ex.attempts())
+                .await
+                .ok()?
+                .ok()?;
+            all.into_iter()
+                .find(|a| a.request.request_id == request_id)
+                .filter(done)
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_work_runs_on_the_workers_executor_and_a_cancel_stops_it() {
+    use cannabis_runtime::exec::AttemptState;
+    let dir = tempfile::tempdir().unwrap();
+    let requester = net::start(&dir.path().join("r"), None).await;
+    let worker = net::start(&dir.path().join("w"), Some(&requester.addr)).await;
+    net::wait_converged(&[&requester, &worker], 2).await;
+
+    // A synthetic task: placed, leased, and run by the worker's executor under a request
+    // id of the assignment and its epoch, to completion.
+    let quick = requester
+        .handle
+        .submit_job(template(&job_file("quick", 1, "")))
+        .await
+        .unwrap();
+    wait_state(&requester, &quick.job_id, "the job to be leased", |j| {
+        j.tasks[0].status == TaskStatus::Running
+    })
+    .await;
+    let id = format!("lease/{}/0/0/1", quick.job_id);
+    let a = worker_attempt(&worker, &id, "the leased work to complete", |a| {
+        a.state.is_final()
+    })
+    .await;
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?}");
+    assert_eq!(a.request.renewal, cannabis_runtime::exec::Renewal::External);
+    let result = a.result.as_ref().expect("a synthetic result");
+    assert_eq!(result.n, 256);
+    // Its stages reached the requester, signed: the rank's progress and the job's history.
+    let job = wait_state(&requester, &quick.job_id, "the report of completion", |j| {
+        j.tasks[0].ranks[0]
+            .progress
+            .as_ref()
+            .is_some_and(|p| p.stage == cannabis_protocol::RunStage::Completed)
+    })
+    .await;
+    assert!(
+        job.history
+            .iter()
+            .any(|e| e.text.contains("(epoch 1): completed")),
+        "{:?}",
+        job.history
+    );
+
+    // A long one: the requester's cancel reaches the worker, which stops it.
+    let long = r#"
+name = "long"
+budget = 300_000
+deadline = "10m"
+bid_window = "2s"
+[[task]]
+name = "long"
+[task.workload]
+adapter = "synthetic"
+entrypoint = ["4096"]
+[task.resources]
+cpu = 1
+memory = "512MiB"
+storage = "16MiB"
+"#;
+    let long = requester.handle.submit_job(template(long)).await.unwrap();
+    let id = format!("lease/{}/0/0/1", long.job_id);
+    worker_attempt(&worker, &id, "the long work to run", |a| {
+        a.state == AttemptState::Running
+    })
+    .await;
+    requester
+        .handle
+        .cancel_job(long.job_id.parse().unwrap())
+        .await
+        .unwrap();
+    let a = worker_attempt(&worker, &id, "the long work to stop", |a| {
+        a.state.is_final()
+    })
+    .await;
+    assert_eq!(a.state, AttemptState::Cancelled, "{a:#?}");
+    assert!(
+        a.cancel
+            .as_ref()
+            .is_some_and(|(_, why)| why.contains("cancelled")),
+        "{a:#?}"
+    );
+}

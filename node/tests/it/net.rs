@@ -30,6 +30,8 @@ pub(crate) fn config(bootstrap: Option<&Multiaddr>) -> NodeConfig {
     c.limits.max_pending_per_ip = 10_000;
     // Like a testnet's: many nodes on one loaded machine handshake slowly.
     c.limits.handshake_timeout_secs = 10;
+    // The executor's sandboxes run the `cannabis` binary, not this test harness.
+    c.program = Some(env!("CARGO_BIN_EXE_cannabis").into());
     c
 }
 
@@ -40,6 +42,12 @@ pub(crate) async fn start(dir: &Path, bootstrap: Option<&Multiaddr>) -> TestNode
 
 pub(crate) async fn start_with(dir: &Path, config: NodeConfig) -> TestNode {
     std::fs::create_dir_all(dir).unwrap();
+    // The executor's sandbox uids must reach the data directory (tempdirs are 0700), or
+    // the node has no executor and its ad offers no capacity for work.
+    for d in [Some(dir), dir.parent()].into_iter().flatten() {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o711)).unwrap();
+    }
     let paths = KeyPaths::new(dir);
     let keys = if paths.node.exists() {
         keystore::load(&paths).unwrap()

@@ -104,7 +104,7 @@ impl Dirs {
 }
 
 /// A child process stopped with SIGTERM (then SIGKILL) when dropped.
-struct Proc(Child);
+pub(crate) struct Proc(pub(crate) Child);
 
 impl Proc {
     fn kill(mut self) {

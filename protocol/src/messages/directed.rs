@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, JobOffer, LeaseAccept, LeaseRenewal,
-    wire,
+    RunReport, wire,
 };
 use crate::{Address, Signed, Uuid};
 
@@ -26,6 +26,8 @@ pub enum MarketRequest {
     LeaseRenewal(Signed<LeaseRenewal>),
     /// A cancellation, to every rank.
     Cancel(Signed<Cancel>),
+    /// Where a leased attempt stands, from the worker to the requester.
+    RunReport(Signed<RunReport>),
     /// A capability challenge pass, from the verifier to the worker that earned it.
     ChallengePass(Signed<ChallengePass>),
     /// A round-trip probe; answered with the same nonce.

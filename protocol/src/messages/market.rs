@@ -122,6 +122,80 @@ pub struct LeaseAccept {
     pub issued_at: Timestamp,
 }
 
+/// A worker's report on the work of a lease it holds, to the requester: where its attempt
+/// stands. A requester takes it only from the rank's worker at the rank's current epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct RunReport {
+    /// The job.
+    pub job_id: Uuid,
+    /// Index of the task.
+    pub task: u32,
+    /// Rank.
+    pub rank: u32,
+    /// The requester.
+    pub requester: Address,
+    /// The worker; must be the signer.
+    pub worker: Address,
+    /// The lease's epoch.
+    pub epoch: u64,
+    /// Where the attempt stands.
+    pub stage: RunStage,
+    /// Why, for a refusal or a failure (at most 256 bytes; empty otherwise).
+    pub detail: String,
+    /// When reported.
+    pub issued_at: Timestamp,
+}
+
+impl RunReport {
+    /// The longest `detail`, in bytes.
+    pub const MAX_DETAIL: usize = 256;
+}
+
+/// Where a leased attempt stands, as its worker reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum RunStage {
+    /// The executor admitted it: capacity reserved.
+    Admitted,
+    /// Its package and inputs are being staged and the sandbox set up.
+    Preparing,
+    /// The workload is running.
+    Running,
+    /// It exited 0 and its outputs were kept.
+    Completed,
+    /// It failed (the detail says why).
+    Failed,
+    /// The executor refused it (the detail says why); it never ran.
+    Refused,
+    /// It was stopped (the lease ended, or the requester cancelled).
+    Cancelled,
+    /// Nobody can say what happened to it (the sandbox and the executor died together).
+    Unknown,
+}
+
+impl RunStage {
+    /// Whether the attempt is over.
+    pub fn is_final(self) -> bool {
+        !matches!(self, Self::Admitted | Self::Preparing | Self::Running)
+    }
+
+    /// The name on the wire and in the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Admitted => "admitted",
+            Self::Preparing => "preparing",
+            Self::Running => "running",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Refused => "refused",
+            Self::Cancelled => "cancelled",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
 /// The requester's extension of a current lease. There is no total duration limit.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
@@ -188,6 +262,7 @@ wire!(Award, "award", 32 * 1024);
 wire!(LeaseAccept, "lease accept", 1024);
 wire!(LeaseRenewal, "lease renewal", 1024);
 wire!(Cancel, "cancel", 1024);
+wire!(RunReport, "run report", 1024);
 
 impl Message for Bid {
     const DOMAIN: &'static str = "cannabis/bid/v1";
@@ -268,6 +343,19 @@ impl Message for LeaseAccept {
     const DOMAIN: &'static str = "cannabis/lease-accept/v1";
     fn claimed_signer(&self) -> Option<&Address> {
         Some(&self.worker)
+    }
+}
+
+impl Message for RunReport {
+    const DOMAIN: &'static str = "cannabis/run-report/v1";
+    fn claimed_signer(&self) -> Option<&Address> {
+        Some(&self.worker)
+    }
+    fn validate(&self) -> Result<(), Invalid> {
+        if self.detail.len() > Self::MAX_DETAIL {
+            return Err(Invalid::new("detail", "longer than 256 bytes"));
+        }
+        Ok(())
     }
 }
 

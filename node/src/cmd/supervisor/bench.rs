@@ -64,6 +64,7 @@ pub(super) fn run(runs: u32, json: bool) -> anyhow::Result<()> {
         &LimitsFile::default(),
         None,
         journal,
+        None,
     )
     .map_err(|e| anyhow::anyhow!("the executor cannot run here: {e}"))?;
     let socket = dir.join("supervisor.sock");

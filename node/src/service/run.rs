@@ -1,0 +1,176 @@
+//! Leased work on this node's executor: the engine's [`RunOrder`]s, carried out one after
+//! another (a start before its renewal, a renewal before its stop) off the driver.
+
+use cannabis_market::RunOrder;
+use cannabis_protocol::{AdapterKind, RunStage};
+use cannabis_runtime::exec::{Attempt, AttemptRequest, AttemptState, ExecError, Renewal};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::Command;
+use super::handle::ExecutorSlot;
+use crate::exec::ExecutorHandle;
+
+/// Starts the task that carries out run orders; orders sent before the executor opened
+/// wait for it. The task ends when the sender is dropped (the node waits for it: it holds
+/// the executor, and the executor the store).
+pub(super) fn spawn(
+    slot: ExecutorSlot,
+    node: mpsc::Sender<Command>,
+) -> (mpsc::UnboundedSender<RunOrder>, tokio::task::JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<RunOrder>();
+    let task = tokio::spawn(async move {
+        let mut watching = tokio::task::JoinSet::new();
+        while let Some(order) = rx.recv().await {
+            let mut slot = slot.clone();
+            let Ok(opened) = slot.wait_for(Option::is_some).await.map(|o| o.clone()) else {
+                return;
+            };
+            let ex = match opened.as_deref() {
+                Some(Ok(ex)) => ex.clone(),
+                Some(Err(why)) => {
+                    warn!(?order, reason = %why, "leased work not run: this node has no executor");
+                    continue;
+                }
+                None => continue,
+            };
+            let start = match &order {
+                RunOrder::Start { request_id, .. } => Some(request_id.clone()),
+                _ => None,
+            };
+            let runs = ex.clone();
+            let done = tokio::task::spawn_blocking(move || carry_out(&runs, order)).await;
+            if let Err(e) = done {
+                warn!(error = %e, "a run order failed");
+            }
+            // Each attempt's stages go to its requester, from the node's engine.
+            if let Some(request_id) = start {
+                watching.spawn(watch(ex, request_id, node.clone()));
+            }
+        }
+        watching.abort_all();
+    });
+    (tx, task)
+}
+
+/// How often a leased attempt is looked at for a new stage.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Reports each stage a leased attempt reaches (admitted, preparing, running, then how it
+/// ended) to the node, until it is over.
+async fn watch(ex: ExecutorHandle, request_id: String, node: mpsc::Sender<Command>) {
+    let mut last = None;
+    loop {
+        let (ex2, id) = (ex.clone(), request_id.clone());
+        let found = tokio::task::spawn_blocking(move || attempt_for(&ex2, &id)).await;
+        let attempt = match found {
+            Ok(Ok(Some(a))) => a,
+            // Not admitted (the order failed) or the executor is gone: nothing to report.
+            _ => return,
+        };
+        let stage = stage_of(&attempt);
+        if last != Some(stage) {
+            last = Some(stage);
+            let detail = attempt.reason.clone().unwrap_or_default();
+            let sent = node
+                .send(Command::Ran {
+                    request_id: request_id.clone(),
+                    stage,
+                    detail,
+                })
+                .await;
+            if sent.is_err() {
+                return;
+            }
+        }
+        if stage.is_final() {
+            return;
+        }
+        tokio::time::sleep(WATCH_EVERY).await;
+    }
+}
+
+/// The stage a requester is told of for an attempt.
+fn stage_of(a: &Attempt) -> RunStage {
+    match a.state {
+        AttemptState::Reserved => RunStage::Admitted,
+        AttemptState::Preparing => RunStage::Preparing,
+        AttemptState::Running => RunStage::Running,
+        AttemptState::Completed => RunStage::Completed,
+        AttemptState::Failed if a.refused => RunStage::Refused,
+        AttemptState::Failed => RunStage::Failed,
+        AttemptState::Cancelled => RunStage::Cancelled,
+        AttemptState::Unknown => RunStage::Unknown,
+    }
+}
+
+/// The executor's attempt for a request id, if it has one.
+fn attempt_for(ex: &ExecutorHandle, request_id: &str) -> Result<Option<Attempt>, ExecError> {
+    Ok(ex
+        .attempts()?
+        .into_iter()
+        .filter(|a| a.request.request_id == request_id)
+        .max_by_key(|a| a.history.first().map(|h| h.0)))
+}
+
+fn carry_out(ex: &ExecutorHandle, order: RunOrder) {
+    let result = match &order {
+        RunOrder::Start {
+            request_id,
+            task,
+            seed,
+            until,
+            ..
+        } => match attempt_for(ex, request_id) {
+            // The executor has it (a restart, an award seen again): it never runs twice.
+            Ok(Some(a)) if !a.state.is_final() => ex.renew(&a.id, until.0).map(|()| {
+                info!(%request_id, attempt = %a.id, "leased work found again");
+            }),
+            Ok(Some(a)) => {
+                info!(%request_id, attempt = %a.id, state = ?a.state, "leased work already ran");
+                Ok(())
+            }
+            Ok(None) => match task {
+                None => {
+                    warn!(%request_id, "leased work not run: its task is unknown here");
+                    Ok(())
+                }
+                Some(task) => {
+                    let synthetic = task.workload.adapter == AdapterKind::Synthetic;
+                    let request = AttemptRequest {
+                        request_id: request_id.clone(),
+                        task: (**task).clone(),
+                        bundle: None,
+                        inputs: Vec::new(),
+                        seed: synthetic.then_some(*seed),
+                        lease_until_ms: until.0,
+                        renewal: Renewal::External,
+                    };
+                    ex.submit(request).map(|a| {
+                        if a.refused {
+                            warn!(%request_id, attempt = %a.id, reason = a.reason.as_deref().unwrap_or(""), "leased work refused by the executor");
+                        } else {
+                            info!(%request_id, attempt = %a.id, "leased work admitted");
+                        }
+                    })
+                }
+            },
+            Err(e) => Err(e),
+        },
+        RunOrder::Renew { request_id, until } => match attempt_for(ex, request_id) {
+            Ok(Some(a)) if !a.state.is_final() => ex.renew(&a.id, until.0),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        },
+        RunOrder::Stop { request_id, why } => match attempt_for(ex, request_id) {
+            Ok(Some(a)) if !a.state.is_final() => ex.stop(&a.id, why).map(|a| {
+                info!(%request_id, attempt = %a.id, %why, "leased work stopped");
+            }),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        },
+    };
+    if let Err(e) = result {
+        warn!(?order, error = %e, "the executor did not carry out a run order");
+    }
+}
