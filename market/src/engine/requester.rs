@@ -369,6 +369,26 @@ impl Market {
         let job = self.signed_for_job(from, &r, job_id)?;
         job.on_run_report(&r.body, now)?;
         self.job_changed(job_id, Vec::new());
+        // A run that failed, was refused or was lost is a failed attempt: the task is
+        // placed again within its budget and attempts, as when a worker stops renewing.
+        let b = &r.body;
+        if matches!(
+            b.stage,
+            cannabis_protocol::RunStage::Failed
+                | cannabis_protocol::RunStage::Refused
+                | cannabis_protocol::RunStage::Unknown
+        ) {
+            let why = if b.detail.is_empty() {
+                format!("the worker reports the run {}", b.stage.name())
+            } else {
+                format!(
+                    "the worker reports the run {}: {}",
+                    b.stage.name(),
+                    b.detail
+                )
+            };
+            self.job_failed(job_id, b.task, b.rank, b.epoch, &why);
+        }
         Ok(())
     }
 

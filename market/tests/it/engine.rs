@@ -658,3 +658,62 @@ fn a_lease_runs_its_task_on_the_executor_and_its_end_stops_it() {
     net.settle(renew_at);
     assert_eq!(rank(&net).map(|p| p.stage), Some(RunStage::Running));
 }
+
+#[test]
+fn a_run_its_worker_reports_failed_is_placed_again_on_another() {
+    let nodes = (0..3)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let job = submit(
+        &mut net,
+        testkit::template(vec![task], WINDOW, 3_600_000),
+        [1; 16],
+    );
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let first = net.nodes[0].market.job(&job).unwrap().tasks()[0].ranks()[0].clone();
+    assert_eq!(first.epoch, 1);
+    let w = (1..3)
+        .find(|&i| net.nodes[i].address() == first.worker)
+        .unwrap();
+    // The executor refused it (say, a sandbox layer went missing): the worker says so.
+    net.nodes[w]
+        .market
+        .command(
+            end,
+            Command::Ran {
+                request_id: RunOrder::request_id(&(job, 0, 0), 1),
+                stage: RunStage::Refused,
+                detail: "the process adapter needs cgroup-pids".into(),
+            },
+        )
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    let again = &j.tasks()[0].ranks()[0];
+    assert_eq!(again.epoch, 2, "{:?}", j.history());
+    assert_ne!(again.worker, first.worker);
+    assert!(
+        j.history().iter().any(|e| e
+            .text
+            .contains("refused: the process adapter needs cgroup-pids")),
+        "{:?}",
+        j.history()
+    );
+    // The first worker's attempt was told to stop; the second one runs epoch 2.
+    assert!(net.nodes[w].runs.iter().any(
+        |o| matches!(o, RunOrder::Stop { request_id, .. } if *request_id == RunOrder::request_id(&(job, 0, 0), 1))
+    ));
+    let other = 3 - w;
+    assert!(
+        net.nodes[other]
+            .runs
+            .iter()
+            .any(|o| matches!(o, RunOrder::Start { epoch: 2, .. }))
+    );
+}
