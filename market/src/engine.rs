@@ -29,9 +29,10 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryRecipient, Digest,
-    FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest,
-    Received, RunReport, RunStage, Signed, TaskSpec, Timestamp, Uuid,
+    Address, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest,
+    DeliveryRecipient, Digest, FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal,
+    MAX_AD_PASSES, MoneyError, NamedDigest, OutputDigest, Received, ResourceUsage, RunReport,
+    RunStage, Signed, TaskSpec, Timestamp, Uuid,
 };
 
 use crate::fanin::FaninConfig;
@@ -138,6 +139,8 @@ pub enum Inbound {
     Pass(Received<ChallengePass>),
     /// A worker's report on the work of a lease.
     RunReport(Received<RunReport>),
+    /// A worker's delivery manifest.
+    Deliver(Received<DeliveryManifest>),
 }
 
 /// A peer's answer to a request the engine sent.
@@ -195,6 +198,8 @@ pub enum Outbound {
     Cancel(Cancel),
     /// To a requester.
     RunReport(RunReport),
+    /// To a requester.
+    Deliver(DeliveryManifest),
 }
 
 /// The engine's answer to an inbound request.
@@ -454,6 +459,11 @@ pub enum Output {
     /// Run, extend or stop work on this node's executor for a lease it holds. Fenced: it
     /// comes only once the lease behind it is durable.
     Run(RunOrder),
+    /// Fetch a delivered rank's outputs from its worker, check them against its signed
+    /// manifest, keep them, then give back [`Command::Delivered`] (or
+    /// [`Command::RankFailed`] if they cannot be had). Fenced: it comes once the manifest
+    /// is durable; it comes again after a restart while the rank is still not done.
+    Fetch(Box<Signed<DeliveryManifest>>),
 }
 
 /// What the worker's executor must do for a lease this node holds. Each names its attempt
@@ -477,6 +487,11 @@ pub enum RunOrder {
         seed: Digest,
         /// The lease's end.
         until: Timestamp,
+        /// The requester, to which the outputs go.
+        requester: Address,
+        /// The offer's delivery recipient, to which the outputs are encrypted (`None`:
+        /// a lease taken before it was kept; its outputs cannot be delivered).
+        deliver_to: Option<DeliveryRecipient>,
     },
     /// The lease was renewed: the attempt may run until `until`.
     Renew {
@@ -570,6 +585,22 @@ pub enum Command {
         stage: RunStage,
         /// Why, for a refusal or a failure (cut to 256 bytes).
         detail: String,
+    },
+    /// The outputs of a completed leased attempt are sealed (encrypted to the requester
+    /// and ready to serve): the requester gets the signed manifest (only while the lease
+    /// is current at that epoch).
+    Prepared {
+        /// The executor's request id ([`RunOrder::request_id`]).
+        request_id: String,
+        /// Every output the task delivers, in the order of
+        /// [`cannabis_protocol::TaskSpec::delivered_outputs`].
+        outputs: Vec<OutputDigest>,
+        /// What the run used.
+        usage: ResourceUsage,
+        /// The workload's exit code.
+        exit_code: Option<i32>,
+        /// The machine, as the probe describes it.
+        hardware: String,
     },
     /// A rank of one of this node's jobs failed, as its worker reported it.
     RankFailed {
@@ -782,6 +813,10 @@ impl Market {
                         m.out.dirty(key);
                     } else {
                         let id = job.id();
+                        // Outputs delivered but not yet fetched are fetched again.
+                        for due in job.fetches_due() {
+                            m.out.fenced(Output::Fetch(Box::new(due)));
+                        }
                         m.jobs.insert(id, *job);
                         m.rewake(id);
                     }
@@ -929,6 +964,16 @@ impl Market {
                 self.report_run(&request_id, stage, detail)?;
                 Ok(CommandOk::Done)
             }
+            Command::Prepared {
+                request_id,
+                outputs,
+                usage,
+                exit_code,
+                hardware,
+            } => {
+                self.deliver(&request_id, outputs, usage, exit_code, hardware)?;
+                Ok(CommandOk::Done)
+            }
         }
     }
 
@@ -1060,6 +1105,7 @@ impl Market {
             Inbound::Cancel(r) => ("cancellation", self.on_cancel(from, r)),
             Inbound::Pass(r) => ("challenge pass", self.on_pass(from, r)),
             Inbound::RunReport(r) => ("run report", self.on_run_report(from, r)),
+            Inbound::Deliver(r) => ("delivery", self.on_delivery(from, r)),
         };
         match outcome {
             Ok(()) => self.out.fenced(Output::Reply {

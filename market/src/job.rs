@@ -28,9 +28,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
-    Address, Amount, Award, Bid, Cancel, Decline, Digest, JobOffer, LeaseAccept, LeaseRenewal,
-    MoneyError, NamedDigest, PublicKeyBytes, Received, Rendezvous, RosterEntry, RunReport,
-    RunStage, SignatureBytes, Signed, TaskInput, Timestamp, Uuid, message_id,
+    Address, Amount, Award, Bid, Cancel, Decline, DeliveryManifest, Digest, JobOffer, LeaseAccept,
+    LeaseRenewal, MoneyError, NamedDigest, PublicKeyBytes, Received, Rendezvous, RosterEntry,
+    RunReport, RunStage, SignatureBytes, Signed, TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -242,6 +242,10 @@ pub struct Assignment {
     /// Where the worker says its attempt stands (its latest signed report at this epoch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
+    /// The worker's signed delivery at this epoch, once taken: its outputs are fetched
+    /// and checked against it before the rank is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Box<Signed<DeliveryManifest>>>,
 }
 
 /// A worker's latest report on the work of a lease.
@@ -909,6 +913,98 @@ impl Job {
     /// current epoch while the lease is current (an older epoch's, or another node's, is
     /// refused). A new stage goes into the history; a report older than the last is
     /// ignored.
+    /// A worker's signed delivery for a current rank: checked against the task's terms
+    /// (every output it delivers, in order, within its cap; an age file no larger than its
+    /// plaintext allows) and kept. `Ok(true)`: new, fetch its outputs; `Ok(false)`: the
+    /// same one again.
+    pub fn on_manifest(
+        &mut self,
+        signed: &Signed<DeliveryManifest>,
+        m: &DeliveryManifest,
+        now: Timestamp,
+    ) -> Result<bool, Refusal> {
+        if m.job_id != self.offer.job_id {
+            return Err(Refusal::UnknownJob(m.job_id));
+        }
+        let requester = self.offer.requester;
+        let spec = self
+            .offer
+            .tasks
+            .get(m.task as usize)
+            .ok_or(Refusal::NoSuchTask {
+                job: m.job_id,
+                task: m.task,
+            })?;
+        let expected = spec.delivered_outputs();
+        let bad = |why: String| Err(Refusal::BadManifest(why));
+        if m.adapter != spec.workload.adapter || m.bundle != spec.workload.digest {
+            return bad("it names another workload than the task's".into());
+        }
+        if m.outputs.len() != expected.len() {
+            return bad(format!(
+                "{} outputs, the task delivers {}",
+                m.outputs.len(),
+                expected.len()
+            ));
+        }
+        for (o, (name, cap)) in m.outputs.iter().zip(&expected) {
+            if o.name != *name {
+                return bad(format!("output {:?} where {name:?} is due", o.name));
+            }
+            if o.size_bytes > *cap {
+                return bad(format!(
+                    "output {name:?} is {} bytes, over its max_size of {cap}",
+                    o.size_bytes
+                ));
+            }
+            if o.cipher_size > cannabis_protocol::max_cipher_size(o.size_bytes)
+                || o.cipher_size <= o.size_bytes
+            {
+                return bad(format!(
+                    "output {name:?}: an age file of {} bytes cannot hold {} bytes",
+                    o.cipher_size, o.size_bytes
+                ));
+            }
+        }
+        let a = self.assignment(m.task, m.rank, m.epoch)?;
+        if m.worker != a.worker || m.requester != requester {
+            return Err(Refusal::NotTheLease);
+        }
+        if a.state != LeaseState::Current {
+            return Err(Refusal::LeaseEnded);
+        }
+        if let Some(held) = &a.delivery {
+            return if held.payload() == signed.payload() {
+                Ok(false)
+            } else {
+                bad("this rank already delivered another manifest at this epoch".into())
+            };
+        }
+        a.delivery = Some(Box::new(signed.clone()));
+        let bytes: u64 = m.outputs.iter().map(|o| o.cipher_size).sum();
+        self.log(
+            now,
+            Some(m.task),
+            format!(
+                "rank {} (epoch {}) delivered a manifest: {} outputs, {bytes} bytes to fetch",
+                m.rank,
+                m.epoch,
+                m.outputs.len()
+            ),
+        );
+        Ok(true)
+    }
+
+    /// The delivered manifests of current ranks whose outputs are not fetched yet.
+    pub fn fetches_due(&self) -> Vec<Signed<DeliveryManifest>> {
+        self.tasks
+            .iter()
+            .flat_map(|t| &t.ranks)
+            .filter(|a| a.state == LeaseState::Current)
+            .filter_map(|a| a.delivery.as_deref().cloned())
+            .collect()
+    }
+
     pub fn on_run_report(&mut self, report: &RunReport, now: Timestamp) -> Result<(), Refusal> {
         if report.job_id != self.offer.job_id {
             return Err(Refusal::UnknownJob(report.job_id));
@@ -1297,6 +1393,7 @@ impl Job {
                 renewal_sent: None,
                 first_renewal_at: None,
                 progress: None,
+                delivery: None,
                 accepted: None,
             });
             actions.push(Action::Award(award));

@@ -9,8 +9,8 @@
 use std::collections::BTreeMap;
 
 use cannabis_protocol::{
-    Address, Amount, Award, Bid, Cancel, Digest, LeaseAccept, LeaseRenewal, TaskSpec, Timestamp,
-    Uuid,
+    Address, Amount, Award, Bid, Cancel, DeliveryRecipient, Digest, LeaseAccept, LeaseRenewal,
+    NamedDigest, TaskSpec, Timestamp, Uuid,
 };
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +63,12 @@ pub struct Lease {
     /// may leave the view before the lease ends).
     #[serde(default)]
     pub task: Option<Box<TaskSpec>>,
+    /// The offer's delivery recipient: the outputs are encrypted to it.
+    #[serde(default)]
+    pub deliver_to: Option<DeliveryRecipient>,
+    /// The award's pinned digests of inputs that earlier tasks delivered.
+    #[serde(default)]
+    pub inputs: Vec<NamedDigest>,
 }
 
 impl Lease {
@@ -113,6 +119,9 @@ pub struct SentBid {
     /// before the award comes): what the lease will run.
     #[serde(default)]
     pub task: Option<Box<TaskSpec>>,
+    /// The offer's delivery recipient.
+    #[serde(default)]
+    pub deliver_to: Option<DeliveryRecipient>,
 }
 
 /// The leases of one worker, and the bids it sent.
@@ -272,6 +281,8 @@ impl Leases {
                 expires_at: award.expires_at,
                 state: WorkerLeaseState::Current,
                 task: sent.task.clone(),
+                deliver_to: sent.deliver_to,
+                inputs: award.inputs.clone(),
             },
         );
         let accept = LeaseAccept {
@@ -387,6 +398,7 @@ mod tests {
                 bid,
                 requester,
                 task: None,
+                deliver_to: None,
             },
         );
         let award = |epoch: u64| Award {

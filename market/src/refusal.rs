@@ -151,6 +151,9 @@ pub enum Refusal {
     /// A challenge pass for a challenge this node did not answer.
     #[error("this node answered no such challenge for you")]
     PassUnasked,
+    /// A delivery manifest that does not describe what the task's terms say it delivers.
+    #[error("bad delivery manifest: {0}")]
+    BadManifest(String),
     /// Money arithmetic that would overflow or go negative.
     #[error("accounting: {0}")]
     Money(#[from] MoneyError),

@@ -559,6 +559,22 @@ pub(crate) enum JobCommand {
         /// The job id.
         id: String,
     },
+    /// Write a job's delivered outputs into a folder, each checked against the digest its
+    /// worker signed: `DIR/<output>` for one task of one rank, `DIR/rank-<r>/<output>` for
+    /// a group, `DIR/<task name>/...` for several tasks. Fails naming any rank that has
+    /// not delivered.
+    Results {
+        /// The job id.
+        id: String,
+        /// Only this task (its index).
+        #[arg(long)]
+        task: Option<u32>,
+        /// The folder to write into (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        #[command(flatten)]
+        format: Format,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod clock;
 pub mod config;
+pub mod delivery;
 pub mod exec;
 pub mod keystore;
 pub mod logging;

@@ -12,6 +12,7 @@ mod directed;
 mod gossip;
 mod handle;
 mod run;
+mod transfer;
 
 pub use cannabis_market::OfferTemplate;
 pub use handle::NodeHandle;
@@ -125,6 +126,29 @@ pub(crate) enum Command {
         stage: cannabis_protocol::RunStage,
         detail: String,
     },
+    /// A completed leased attempt's outputs are sealed: deliver the manifest.
+    Prepared {
+        request_id: String,
+        outputs: Vec<cannabis_protocol::OutputDigest>,
+        usage: cannabis_protocol::ResourceUsage,
+        exit_code: Option<i32>,
+    },
+    /// Ask a peer for a chunk (for a fetch).
+    Transfer {
+        peer: PeerId,
+        request: cannabis_protocol::TransferRequest,
+        reply: oneshot::Sender<Result<cannabis_protocol::TransferResponse, String>>,
+    },
+    /// A chunk read for a peer, to send.
+    TransferServed(
+        ResponseChannel<cannabis_protocol::TransferResponse>,
+        cannabis_protocol::TransferResponse,
+    ),
+    /// A fetch ended: its outputs are kept, or why not.
+    Fetched(
+        Box<cannabis_protocol::DeliveryManifest>,
+        Result<Vec<cannabis_protocol::NamedDigest>, String>,
+    ),
     /// Set a peer the capability challenge.
     Challenge(
         PeerId,
@@ -234,6 +258,15 @@ pub(crate) struct Node {
     ad_due: Option<tokio::time::Instant>,
     /// Commands to itself, from blocking work.
     self_tx: mpsc::Sender<Command>,
+    /// Chunks asked of peers for fetches, by request.
+    transfers: HashMap<
+        OutboundRequestId,
+        oneshot::Sender<Result<cannabis_protocol::TransferResponse, String>>,
+    >,
+    /// Fetches running: (job, task, rank, epoch).
+    fetching: std::collections::HashSet<(cannabis_protocol::Uuid, u32, u32, u64)>,
+    /// How far each running fetch is, by (job, task, rank).
+    fetch_progress: transfer::Progresses,
     /// Challenges this node set, by request.
     challenges: HashMap<OutboundRequestId, challenge::Pending>,
     /// The challenge this node is proving (one at a time), and where to answer.
@@ -316,7 +349,11 @@ pub async fn start(
     let (internal_tx, internal_rx) = mpsc::channel(16);
     let (executor_tx, executor_rx) = watch::channel(None);
     let market_config = market_config(&config);
-    let (runner, running) = run::spawn(executor_rx.clone(), internal_tx.clone());
+    let (runner, running) = run::spawn(
+        executor_rx.clone(),
+        internal_tx.clone(),
+        data_dir.to_path_buf(),
+    );
     let identity = Identity {
         address,
         delivery: keys.delivery.recipient(),
@@ -373,6 +410,9 @@ pub async fn start(
         ad_unheard: false,
         ad_due: None,
         self_tx: internal_tx.clone(),
+        transfers: HashMap::new(),
+        fetching: Default::default(),
+        fetch_progress: Default::default(),
         challenges: HashMap::new(),
         proving: None,
         answered: challenge::Answered::default(),
@@ -664,6 +704,7 @@ impl Node {
                 Output::Run(order) => {
                     let _ = self.runner.send(order);
                 }
+                Output::Fetch(manifest) => self.start_fetch(*manifest),
             }
         }
     }
@@ -925,6 +966,34 @@ impl Node {
                     self.drain();
                 }
             }
+            Command::Prepared {
+                request_id,
+                outputs,
+                usage,
+                exit_code,
+            } => {
+                if self.safe_mode.is_none() {
+                    let prepared = MarketCommand::Prepared {
+                        request_id: request_id.clone(),
+                        outputs,
+                        usage,
+                        exit_code,
+                        hardware: self.hardware_summary(),
+                    };
+                    match self.market.command(now_ms, prepared) {
+                        Ok(_) => info!(%request_id, "outputs sealed; manifest sent"),
+                        Err(e) => warn!(%request_id, error = %e, "outputs not delivered"),
+                    }
+                    self.drain();
+                }
+            }
+            Command::Transfer {
+                peer,
+                request,
+                reply,
+            } => self.ask_transfer(peer, request, reply),
+            Command::TransferServed(channel, response) => self.answer_transfer(channel, response),
+            Command::Fetched(manifest, result) => self.fetched(*manifest, result),
         }
     }
 
@@ -974,9 +1043,11 @@ impl Node {
             .job(id)
             .ok_or_else(|| anyhow::anyhow!("this node published no job {id}"))?;
         let ctx = self.market.context();
-        Ok(api::JobDetail::of(job, |spec| {
+        let mut detail = api::JobDetail::of(job, |spec| {
             cannabis_market::matching::explain(spec, self.market.worker_ads(), &ctx)
-        }))
+        });
+        self.add_deliveries(id, &mut detail);
+        Ok(detail)
     }
 
     fn status(&self) -> api::Status {
@@ -1133,6 +1204,7 @@ impl Node {
             BehaviourEvent::Market(e) => self.on_market(e),
             BehaviourEvent::Sync(e) => self.on_sync(e),
             BehaviourEvent::Challenge(e) => self.on_challenge(e),
+            BehaviourEvent::Transfer(e) => self.on_transfer(e),
             BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
                 for addr in info.listen_addrs {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);

@@ -5,7 +5,8 @@
 use crate::{
     Award, Bid, Block, Cancel, CapabilityAd, ChallengePass, ChallengeRequest, ChallengeResponse,
     ComputeResult, Decline, DeliveryManifest, JobOffer, LeaseAccept, LeaseRenewal, MarketRequest,
-    MarketResponse, Message, Signed, SyncRequest, SyncResponse, Transaction, Wire, decode,
+    MarketResponse, Message, Signed, SyncRequest, SyncResponse, Transaction, TransferRequest, Wire,
+    decode,
 };
 
 /// The kinds, by the first byte of a fuzz input (modulo their number).
@@ -29,6 +30,8 @@ pub const KINDS: &[&str] = &[
     "challenge-response",
     "block",
     "compute-result",
+    "transfer-request",
+    "transfer-response",
 ];
 
 fn signed<T: Message>(bytes: &[u8]) {
@@ -83,6 +86,9 @@ pub fn decode_any(data: &[u8]) {
                     MarketRequest::RunReport(s) => {
                         let _ = s.open();
                     }
+                    MarketRequest::Deliver(s) => {
+                        let _ = s.open();
+                    }
                     MarketRequest::ChallengePass(s) => {
                         let _ = s.open();
                     }
@@ -121,9 +127,28 @@ pub fn decode_any(data: &[u8]) {
                 let _ = b.verify();
             }
         }
-        _ => {
+        18 => {
             if let Some(r) = plain::<ComputeResult>(bytes) {
                 let _ = r.verify();
+            }
+        }
+        19 => {
+            let _ = plain::<TransferRequest>(bytes);
+        }
+        _ => {
+            if let Some(crate::TransferResponse::Chunk {
+                index,
+                size,
+                data,
+                proof,
+            }) = plain::<crate::TransferResponse>(bytes)
+            {
+                let p = crate::merkle::InclusionProof {
+                    index,
+                    tree_size: size.div_ceil(crate::TRANSFER_CHUNK),
+                    path: proof,
+                };
+                let _ = p.verify(&data, &crate::Digest([0; 32]));
             }
         }
     }

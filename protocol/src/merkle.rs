@@ -90,6 +90,26 @@ pub enum ProofError {
     },
 }
 
+/// The root over leaves already hashed with [`leaf_hash`].
+pub fn root_of_hashes(hashes: &[Digest]) -> Digest {
+    subtree_root(hashes)
+}
+
+/// The inclusion proof for leaf `index` of a tree given by its leaf hashes, or `None` if
+/// the index is outside the tree.
+pub fn prove_hashes(hashes: &[Digest], index: usize) -> Option<InclusionProof> {
+    if index >= hashes.len() {
+        return None;
+    }
+    let mut path = Vec::new();
+    audit_path(hashes, index, &mut path);
+    Some(InclusionProof {
+        index: index as u64,
+        tree_size: hashes.len() as u64,
+        path,
+    })
+}
+
 /// The inclusion proof for leaf `index`, or `None` if the index is outside the tree.
 pub fn prove<D: AsRef<[u8]>>(leaves: &[D], index: usize) -> Option<InclusionProof> {
     if index >= leaves.len() {

@@ -9,14 +9,16 @@ mod directed;
 mod ledger;
 mod market;
 mod offer;
+mod transfer;
 
 pub use capability::{
     Attestation, AttestationKind, CapabilityAd, ChallengePass, Gpu, GpuPrice, Hardware,
     MAX_AD_PASSES, NetworkLimits, OsInfo, PriceSheet,
 };
 pub use delivery::{
-    COMPUTE_RESULT_DOMAIN, ComputeResult, ComputeResultError, DeliveryManifest, EvaluationReport,
-    MetricValue, NamedDigest, OutputDigest, ResourceUsage, Setting,
+    AGE_HEADER_MAX, COMPUTE_RESULT_DOMAIN, ComputeResult, ComputeResultError, DeliveryManifest,
+    EvaluationReport, MetricValue, NamedDigest, OutputDigest, ResourceUsage, Setting,
+    max_cipher_size,
 };
 pub use directed::{
     ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
@@ -31,9 +33,10 @@ pub use market::{
 };
 pub use offer::{
     AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_GROUP_SIZE, MAX_TASKS, OutputDecl,
-    OutputRights, Requirements, Resources, RuntimeRequirement, TaskInput, TaskSpec, Workload,
-    is_safe_name, job_id_of,
+    OutputRights, Requirements, Resources, RuntimeRequirement, SYNTHETIC_RESULT, TaskInput,
+    TaskSpec, Workload, is_safe_name, job_id_of,
 };
+pub use transfer::{ObjectKind, ObjectRef, TRANSFER_CHUNK, TransferRequest, TransferResponse};
 
 /// Implements [`crate::Wire`] (and optionally [`crate::Message`]'s domain) for a type.
 macro_rules! wire {

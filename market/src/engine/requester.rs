@@ -2,8 +2,8 @@
 //! here and only here), running jobs, widening calls that drew too few bids.
 
 use cannabis_protocol::{
-    Amount, Bid, Decline, JobOffer, LeaseAccept, Message as _, NamedDigest, Received, Uuid, draw,
-    message_id,
+    Amount, Bid, Decline, DeliveryManifest, JobOffer, LeaseAccept, Message as _, NamedDigest,
+    Received, Uuid, draw, message_id,
 };
 
 use super::{
@@ -161,6 +161,26 @@ impl Market {
         let actions = j.on_delivered(task, rank, epoch, outputs, now)?;
         self.job_changed(job, actions);
         Ok(CommandOk::Done)
+    }
+
+    /// A worker's signed delivery: checked against the task's terms and the rank's current
+    /// lease, kept, and its outputs fetched (once it is durable).
+    pub(super) fn on_delivery(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: Received<DeliveryManifest>,
+    ) -> Result<(), Refusal> {
+        Self::from_signer(from, &r)?;
+        let job_id = r.body.job_id;
+        let signed = r.signed();
+        let now = self.now;
+        let job = self.signed_for_job(from, &r, job_id)?;
+        let new = job.on_manifest(&signed, &r.body, now)?;
+        self.job_changed(job_id, Vec::new());
+        if new {
+            self.out.fenced(Output::Fetch(Box::new(signed)));
+        }
+        Ok(())
     }
 
     /// A bid: cheap checks first (the job, the offer version, the quote's life, the task,

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Award, Cancel, JobOffer, LeaseRenewal, Received, RunReport, RunStage, message_id,
+    Address, Award, Cancel, DeliveryManifest, JobOffer, LeaseRenewal, NamedDigest, OutputDigest,
+    Received, ResourceUsage, RunReport, RunStage, TaskInput, message_id,
 };
 
 use super::{KEEP_ENDED_MS, Market, MarketEvent, Outbound, Output, Purpose, RecordKey, RunOrder};
@@ -56,6 +57,7 @@ impl Market {
                             bid: bid.clone(),
                             requester,
                             task: offer.tasks.get(task as usize).cloned().map(Box::new),
+                            deliver_to: Some(offer.delivery),
                         },
                     );
                     // Kept before it is sent: an award for it is recognised after a restart.
@@ -113,6 +115,20 @@ impl Market {
         Ok(())
     }
 
+    /// The lease an executor request id names, while it is current at that epoch.
+    fn current_lease_of(&self, request_id: &str) -> Result<(AssignmentKey, Lease), Refusal> {
+        let (key, lease) = self
+            .leases
+            .iter()
+            .find(|(k, l)| RunOrder::request_id(k, l.epoch) == request_id)
+            .map(|(k, l)| (*k, l.clone()))
+            .ok_or(Refusal::NoLease)?;
+        if !self.leases.is_current(&key, lease.epoch, self.now) {
+            return Err(Refusal::LeaseEnded);
+        }
+        Ok((key, lease))
+    }
+
     /// The executor's attempt for a lease changed stage: the requester is told, signed,
     /// while the lease is current at that epoch (a stale epoch's attempt reports nothing).
     pub(super) fn report_run(
@@ -122,15 +138,7 @@ impl Market {
         mut detail: String,
     ) -> Result<(), Refusal> {
         let now = self.now;
-        let (key, lease) = self
-            .leases
-            .iter()
-            .find(|(k, l)| RunOrder::request_id(k, l.epoch) == request_id)
-            .map(|(k, l)| (*k, l.clone()))
-            .ok_or(Refusal::NoLease)?;
-        if !self.leases.is_current(&key, lease.epoch, now) {
-            return Err(Refusal::LeaseEnded);
-        }
+        let (key, lease) = self.current_lease_of(request_id)?;
         if detail.len() > RunReport::MAX_DETAIL {
             let mut end = RunReport::MAX_DETAIL;
             while !detail.is_char_boundary(end) {
@@ -163,7 +171,63 @@ impl Market {
             task: lease.task.clone(),
             seed: RunOrder::seed(&lease.award),
             until: lease.expires_at,
+            requester: lease.requester,
+            deliver_to: lease.deliver_to,
         }));
+    }
+
+    /// The outputs of a current lease's completed attempt are sealed: the requester gets
+    /// the signed manifest (a stale epoch's attempt delivers nothing).
+    pub(super) fn deliver(
+        &mut self,
+        request_id: &str,
+        outputs: Vec<OutputDigest>,
+        usage: ResourceUsage,
+        exit_code: Option<i32>,
+        hardware: String,
+    ) -> Result<(), Refusal> {
+        let now = self.now;
+        let (key, lease) = self.current_lease_of(request_id)?;
+        let task = lease.task.as_deref().ok_or(Refusal::NoSuchTask {
+            job: key.0,
+            task: key.1,
+        })?;
+        let mut inputs: Vec<NamedDigest> = task
+            .inputs
+            .iter()
+            .filter_map(|i| match i {
+                TaskInput::Staged(r) => Some(NamedDigest {
+                    name: r.name.clone(),
+                    digest: r.digest,
+                }),
+                TaskInput::FromTask { .. } => None,
+            })
+            .collect();
+        inputs.extend(lease.inputs.iter().cloned());
+        let manifest = DeliveryManifest {
+            job_id: key.0,
+            task: key.1,
+            rank: key.2,
+            epoch: lease.epoch,
+            worker: self.me.address,
+            requester: lease.requester,
+            adapter: task.workload.adapter,
+            bundle: task.workload.digest,
+            inputs,
+            exit_code,
+            outputs,
+            configuration: Vec::new(),
+            datasets: Vec::new(),
+            models: Vec::new(),
+            dependencies: Vec::new(),
+            hardware,
+            usage,
+            evaluation: None,
+            issued_at: now,
+        };
+        let purpose = Purpose::Other("delivery", lease.requester);
+        self.send(lease.requester, Outbound::Deliver(manifest), purpose);
+        Ok(())
     }
 
     pub(super) fn on_renewal(

@@ -93,6 +93,8 @@ pub struct Node {
     pub store_writes: usize,
     /// Run orders for its executor, in order.
     pub runs: Vec<RunOrder>,
+    /// Deliveries whose outputs its driver is asked to fetch, in order.
+    pub fetches: Vec<Signed<cannabis_protocol::DeliveryManifest>>,
     config: MarketConfig,
     keys: Option<Keypair>,
     inbound: BTreeMap<InboundId, (Address, OutboundId)>,
@@ -111,6 +113,7 @@ impl Node {
             penalized: Vec::new(),
             store_writes: 0,
             runs: Vec::new(),
+            fetches: Vec::new(),
             config,
             keys,
             inbound: BTreeMap::new(),
@@ -183,6 +186,7 @@ impl Node {
                         Outbound::Renewal(r) => self.open(r).map(Inbound::Renewal),
                         Outbound::Cancel(c) => self.open(c).map(Inbound::Cancel),
                         Outbound::RunReport(r) => self.open(r).map(Inbound::RunReport),
+                        Outbound::Deliver(d) => self.open(d).map(Inbound::Deliver),
                     };
                     if let Some(msg) = msg {
                         out.push(Envelope::Request {
@@ -229,6 +233,7 @@ impl Node {
                 Output::Penalize { peer, why } => self.penalized.push((peer, why)),
                 Output::Event(e) => self.events.push(e),
                 Output::Run(order) => self.runs.push(order),
+                Output::Fetch(manifest) => self.fetches.push(*manifest),
             }
         }
         out

@@ -661,20 +661,7 @@ fn a_lease_runs_its_task_on_the_executor_and_its_end_stops_it() {
 
 #[test]
 fn a_run_its_worker_reports_failed_is_placed_again_on_another() {
-    let nodes = (0..3)
-        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
-        .collect();
-    let mut net = network(nodes, |_| Machine::default());
-    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
-    let job = submit(
-        &mut net,
-        testkit::template(vec![task], WINDOW, 3_600_000),
-        [1; 16],
-    );
-    net.settle(T0);
-    let end = T0.plus_ms(WINDOW);
-    net.tick(end);
-    net.settle(end);
+    let (mut net, job, end) = leased(3, testkit::task("t", 1, 0, 0, 1, 1_000_000));
     let first = net.nodes[0].market.job(&job).unwrap().tasks()[0].ranks()[0].clone();
     assert_eq!(first.epoch, 1);
     let w = (1..3)
@@ -716,4 +703,162 @@ fn a_run_its_worker_reports_failed_is_placed_again_on_another() {
             .iter()
             .any(|o| matches!(o, RunOrder::Start { epoch: 2, .. }))
     );
+}
+
+/// `n` nodes, node 0 submitting one job of `task`, run until its bid window closed and
+/// it was placed and leased: the network, the job and that time.
+fn leased(n: u64, task: TaskSpec) -> (Net, Uuid, Timestamp) {
+    let nodes = (0..n)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let job = submit(
+        &mut net,
+        testkit::template(vec![task], WINDOW, 3_600_000),
+        [1; 16],
+    );
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    (net, job, end)
+}
+
+/// An output entry as a worker seals it (the digests stand for real ones).
+fn sealed(name: &str, size: u64) -> OutputDigest {
+    OutputDigest {
+        name: name.into(),
+        digest: Digest::of(name.as_bytes()),
+        size_bytes: size,
+        cipher_size: size + 200,
+        cipher_root: Digest::of(b"root"),
+    }
+}
+
+#[test]
+fn a_completed_run_delivers_a_manifest_its_requester_fetches_and_then_the_task_is_done() {
+    let mut task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    task.outputs.push(OutputDecl {
+        name: "out.bin".into(),
+        max_bytes: 1000,
+        rights: OutputRights::Exclusive,
+    });
+    let (mut net, job, end) = leased(2, task);
+    let key = (job, 0, 0);
+    let id = RunOrder::request_id(&key, 1);
+    // The run order names the requester and its offer's recipient.
+    assert!(net.nodes[1].runs.iter().any(|o| matches!(o,
+        RunOrder::Start { request_id, requester, deliver_to: Some(_), .. }
+            if *request_id == id && *requester == net.nodes[0].address())));
+    let prepared = |outputs: Vec<OutputDigest>| Command::Prepared {
+        request_id: id.clone(),
+        outputs,
+        usage: ResourceUsage::default(),
+        exit_code: Some(0),
+        hardware: "test".into(),
+    };
+
+    // A manifest that breaks the terms (a missing output, one over its cap) is refused
+    // and nothing is fetched.
+    for bad in [
+        vec![sealed("out.bin", 10)],
+        vec![sealed("out.bin", 1001), sealed(SYNTHETIC_RESULT, 10)],
+        vec![sealed("other", 10), sealed(SYNTHETIC_RESULT, 10)],
+    ] {
+        net.nodes[1].market.command(end, prepared(bad)).unwrap();
+        net.tick(end);
+        net.settle(end);
+        assert!(net.nodes[0].fetches.is_empty());
+        assert!(
+            net.nodes[0]
+                .refusals
+                .iter()
+                .any(|r| matches!(r, Refusal::BadManifest(_))),
+            "{:?}",
+            net.nodes[0].refusals
+        );
+    }
+
+    let good = vec![sealed("out.bin", 10), sealed(SYNTHETIC_RESULT, 10)];
+    net.nodes[1]
+        .market
+        .command(end, prepared(good.clone()))
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    assert_eq!(net.nodes[0].fetches.len(), 1);
+    let manifest = net.nodes[0].fetches[0].clone().open().unwrap().body;
+    assert_eq!(manifest.outputs, good);
+    assert_eq!(manifest.epoch, 1);
+    assert_eq!(manifest.exit_code, Some(0));
+    // The same manifest again (a worker restarted) is taken without a second fetch.
+    net.nodes[1]
+        .market
+        .command(end, prepared(good.clone()))
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    assert_eq!(net.nodes[0].fetches.len(), 1);
+    // A restart of the requester before the outputs arrived fetches them again.
+    net.nodes[0].restart(end);
+    net.nodes[0].drain(end);
+    assert_eq!(net.nodes[0].fetches.len(), 2);
+
+    // Fetched and checked: the rank is done, and so is the task.
+    net.nodes[0]
+        .market
+        .command(
+            end,
+            Command::Delivered {
+                job,
+                task: 0,
+                rank: 0,
+                epoch: 1,
+                outputs: good
+                    .iter()
+                    .map(|o| NamedDigest {
+                        name: o.name.clone(),
+                        digest: o.digest,
+                    })
+                    .collect(),
+            },
+        )
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        *j.tasks()[0].status(),
+        TaskStatus::Done,
+        "{:?}",
+        j.history()
+    );
+}
+
+#[test]
+fn a_stale_epochs_attempt_delivers_nothing() {
+    let (mut net, job, end) = leased(2, testkit::task("t", 1, 0, 0, 1, 1_000_000));
+    net.nodes[0]
+        .market
+        .command(end, Command::Cancel(job))
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    let late = net.nodes[1].market.command(
+        end,
+        Command::Prepared {
+            request_id: RunOrder::request_id(&(job, 0, 0), 1),
+            outputs: vec![sealed(SYNTHETIC_RESULT, 10)],
+            usage: ResourceUsage::default(),
+            exit_code: None,
+            hardware: String::new(),
+        },
+    );
+    assert!(
+        matches!(late, Err(CommandError::Refused(Refusal::LeaseEnded))),
+        "{late:?}"
+    );
+    net.tick(end);
+    net.settle(end);
+    assert!(net.nodes[0].fetches.is_empty());
 }

@@ -290,6 +290,51 @@ pub struct TaskDetail {
     pub failures: u32,
     /// When nobody has bid (or nobody could be placed): how the known ads match.
     pub explanation: Option<cannabis_market::matching::Explanation>,
+    /// Outputs of ranks that delivered, as their signed manifests name them, and where
+    /// this node keeps them.
+    #[serde(default)]
+    pub delivered: Vec<DeliveredOutput>,
+    /// Outputs on their way here, per rank.
+    #[serde(default)]
+    pub transfers: Vec<Transfer>,
+}
+
+/// One output a rank delivered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliveredOutput {
+    /// The rank.
+    pub rank: u32,
+    /// The epoch it ran at.
+    pub epoch: u64,
+    /// The output's name.
+    pub name: String,
+    /// SHA-256 of its bytes, hex.
+    pub digest: String,
+    /// Its size in bytes.
+    pub size_bytes: u64,
+    /// Where the node keeps it once fetched and checked.
+    pub path: String,
+    /// Whether it was fetched and checked.
+    pub fetched: bool,
+    /// The workload's exit code, from the manifest.
+    pub exit_code: Option<i32>,
+    /// The worker's wall time for the run, ms.
+    pub wall_ms: u64,
+}
+
+/// A rank's outputs on their way here.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    /// The rank.
+    pub rank: u32,
+    /// Bytes (of ciphertext) here.
+    pub bytes: u64,
+    /// Bytes in all.
+    pub total: u64,
+    /// Bytes per second so far.
+    pub rate_bps: u64,
+    /// Seconds left at that rate (`None` before any byte came).
+    pub eta_secs: Option<u64>,
 }
 
 /// `POST /v1/jobs/explain`: how each task of a template matches the ads this node knows.
@@ -406,6 +451,8 @@ impl JobDetail {
                     attempts: task.attempts(),
                     failures: task.failures(),
                     explanation: (task.bid_count() == 0 || unplaced).then(|| explain(spec)),
+                    delivered: Vec::new(),
+                    transfers: Vec::new(),
                 }
             })
             .collect();

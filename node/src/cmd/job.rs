@@ -78,7 +78,114 @@ pub(super) fn run(
             out!("job {} cancelled; every leased rank was told", j.job_id)?;
             Ok(())
         }
+        JobCommand::Results {
+            id,
+            task,
+            out: dir,
+            format,
+        } => {
+            let job = ApiClient::from_data_dir(&data_dir()?)?.job(&id)?;
+            let written = results(&job, task, &dir)?;
+            if format.json {
+                return output::json(&written);
+            }
+            for w in &written {
+                out!("{}  {}  {} bytes", w.digest, w.path, w.size_bytes)?;
+            }
+            out!(
+                "{} outputs written to {}, each matching its signed digest",
+                written.len(),
+                dir.display()
+            )?;
+            Ok(())
+        }
     }
+}
+
+/// One output `job results` wrote.
+#[derive(serde::Serialize)]
+struct Written {
+    task: u32,
+    rank: u32,
+    name: String,
+    digest: String,
+    size_bytes: u64,
+    path: String,
+}
+
+/// Copies a job's delivered outputs into `dir`, each checked against its signed digest
+/// (on the copy), after checking every rank of the chosen tasks delivered.
+fn results(job: &JobDetail, only: Option<u32>, dir: &Path) -> anyhow::Result<Vec<Written>> {
+    let tasks: Vec<usize> = match only {
+        Some(t) if (t as usize) < job.tasks.len() => vec![t as usize],
+        Some(t) => anyhow::bail!(
+            "job {} has no task {t} (it has {})",
+            job.summary.job_id,
+            job.tasks.len()
+        ),
+        None => (0..job.tasks.len()).collect(),
+    };
+    // Every rank of every chosen task must have delivered: name those that did not.
+    let mut missing = Vec::new();
+    for &i in &tasks {
+        let t = &job.tasks[i];
+        for rank in 0..t.group_size {
+            let done = t
+                .ranks
+                .iter()
+                .any(|r| r.rank == rank && r.state == LeaseState::Done);
+            if !done {
+                missing.push(format!("task {i} ({}) rank {rank}", t.name));
+            }
+        }
+    }
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "not delivered yet: {} (see `cannabis job status {}`)",
+            missing.join(", "),
+            job.summary.job_id
+        );
+    }
+    let mut written = Vec::new();
+    for &i in &tasks {
+        let t = &job.tasks[i];
+        let mut base = dir.to_path_buf();
+        if tasks.len() > 1 {
+            base.push(&t.name);
+        }
+        for o in t.delivered.iter().filter(|o| o.fetched) {
+            let mut to = base.clone();
+            if t.group_size > 1 {
+                to.push(format!("rank-{}", o.rank));
+            }
+            std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
+            to.push(&o.name);
+            let tmp = to.with_extension("partial");
+            std::fs::copy(&o.path, &tmp).with_context(|| {
+                format!("copying {} (kept by the node) to {}", o.path, tmp.display())
+            })?;
+            let (digest, size) = hash_file(&tmp)?;
+            if digest.to_string() != o.digest || size != o.size_bytes {
+                let _ = std::fs::remove_file(&tmp);
+                anyhow::bail!(
+                    "{}: {size} bytes with digest {digest}, the worker signed {} bytes with {}: not written",
+                    o.path,
+                    o.size_bytes,
+                    o.digest
+                );
+            }
+            std::fs::rename(&tmp, &to).with_context(|| format!("writing {}", to.display()))?;
+            written.push(Written {
+                task: i as u32,
+                rank: o.rank,
+                name: o.name.clone(),
+                digest: o.digest.clone(),
+                size_bytes: size,
+                path: to.display().to_string(),
+            });
+        }
+    }
+    Ok(written)
 }
 
 /// SHA-256 and size of a local file, streamed.
@@ -221,6 +328,26 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
                 r.epoch,
                 r.price,
                 state
+            )?;
+        }
+        for x in &t.transfers {
+            let eta = x.eta_secs.map_or("?".into(), |s| format!("{s} s"));
+            out!(
+                "  rank {} outputs arriving: {} of {} bytes, {} KiB/s, {eta} left",
+                x.rank,
+                x.bytes,
+                x.total,
+                x.rate_bps / 1024
+            )?;
+        }
+        for o in &t.delivered {
+            let state = if o.fetched { "here" } else { "fetching" };
+            out!(
+                "  rank {} output {} {} bytes sha256 {} ({state})",
+                o.rank,
+                o.name,
+                o.size_bytes,
+                o.digest
             )?;
         }
         for (w, why) in &t.declines {

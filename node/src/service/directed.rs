@@ -184,6 +184,7 @@ impl Node {
             MarketRequest::LeaseRenewal(s) => s.open().map(Inbound::Renewal),
             MarketRequest::Cancel(s) => s.open().map(Inbound::Cancel),
             MarketRequest::RunReport(s) => s.open().map(Inbound::RunReport),
+            MarketRequest::Deliver(s) => s.open().map(Inbound::Deliver),
             MarketRequest::ChallengePass(s) => s.open().map(Inbound::Pass),
         };
         match msg {
@@ -243,6 +244,7 @@ impl Node {
             Outbound::Renewal(r) => MarketRequest::LeaseRenewal(Signed::sign(k, &r)),
             Outbound::Cancel(c) => MarketRequest::Cancel(Signed::sign(k, &c)),
             Outbound::RunReport(r) => MarketRequest::RunReport(Signed::sign(k, &r)),
+            Outbound::Deliver(d) => MarketRequest::Deliver(Signed::sign(k, &d)),
         };
         let Some(peer) = swarm::peer_of(&to) else {
             warn!(%to, "no peer id for address");

@@ -505,6 +505,26 @@ impl Node {
     }
 }
 
+impl Node {
+    /// The machine in one line, for delivery manifests: CPU model and cores, memory, GPUs.
+    pub(super) fn hardware_summary(&self) -> String {
+        let Some(p) = &self.probe else {
+            return "not probed".into();
+        };
+        let h = &p.hardware;
+        let mut s = format!(
+            "{} ({} cores), {} MiB memory",
+            h.cpu_model,
+            h.cpu_cores,
+            h.memory_bytes >> 20
+        );
+        for g in &h.gpus {
+            s.push_str(&format!(", {} ({} MiB)", g.name, g.memory_bytes >> 20));
+        }
+        s
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use cannabis_protocol::{Block, Digest, Keypair, Timestamp};

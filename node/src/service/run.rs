@@ -2,7 +2,9 @@
 //! another (a start before its renewal, a renewal before its stop) off the driver.
 
 use cannabis_market::RunOrder;
-use cannabis_protocol::{AdapterKind, RunStage};
+use std::path::PathBuf;
+
+use cannabis_protocol::{AdapterKind, Address, DeliveryRecipient, ResourceUsage, RunStage};
 use cannabis_runtime::exec::{Attempt, AttemptRequest, AttemptState, ExecError, Renewal};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -17,6 +19,7 @@ use crate::exec::ExecutorHandle;
 pub(super) fn spawn(
     slot: ExecutorSlot,
     node: mpsc::Sender<Command>,
+    data_dir: PathBuf,
 ) -> (mpsc::UnboundedSender<RunOrder>, tokio::task::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<RunOrder>();
     let task = tokio::spawn(async move {
@@ -35,7 +38,23 @@ pub(super) fn spawn(
                 None => continue,
             };
             let start = match &order {
-                RunOrder::Start { request_id, .. } => Some(request_id.clone()),
+                RunOrder::Start {
+                    request_id,
+                    task,
+                    requester,
+                    deliver_to,
+                    ..
+                } => Some(Delivery {
+                    request_id: request_id.clone(),
+                    outputs: task.as_ref().map_or(Vec::new(), |t| t.delivered_outputs()),
+                    requester: *requester,
+                    to: *deliver_to,
+                    data_dir: data_dir.clone(),
+                }),
+                _ => None,
+            };
+            let stopped = match &order {
+                RunOrder::Stop { request_id, .. } => Some(request_id.clone()),
                 _ => None,
             };
             let runs = ex.clone();
@@ -43,9 +62,13 @@ pub(super) fn spawn(
             if let Err(e) = done {
                 warn!(error = %e, "a run order failed");
             }
+            // The lease ended: what was sealed for it is served no more.
+            if let Some(request_id) = stopped {
+                crate::delivery::unseal(&data_dir, &request_id);
+            }
             // Each attempt's stages go to its requester, from the node's engine.
-            if let Some(request_id) = start {
-                watching.spawn(watch(ex, request_id, node.clone()));
+            if let Some(delivery) = start {
+                watching.spawn(watch(ex, delivery, node.clone()));
             }
         }
         watching.abort_all();
@@ -56,9 +79,20 @@ pub(super) fn spawn(
 /// How often a leased attempt is looked at for a new stage.
 const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// Where a leased attempt's outputs go once it completes.
+struct Delivery {
+    request_id: String,
+    outputs: Vec<(String, u64)>,
+    requester: Address,
+    to: Option<DeliveryRecipient>,
+    data_dir: PathBuf,
+}
+
 /// Reports each stage a leased attempt reaches (admitted, preparing, running, then how it
-/// ended) to the node, until it is over.
-async fn watch(ex: ExecutorHandle, request_id: String, node: mpsc::Sender<Command>) {
+/// ended) to the node, until it is over; a completed attempt's outputs are then sealed for
+/// the requester and the node told (or, if they cannot be, the run reported failed).
+async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
+    let request_id = d.request_id.clone();
     let mut last = None;
     loop {
         let (ex2, id) = (ex.clone(), request_id.clone());
@@ -83,11 +117,55 @@ async fn watch(ex: ExecutorHandle, request_id: String, node: mpsc::Sender<Comman
                 return;
             }
         }
+        if stage == RunStage::Completed {
+            let ex2 = ex.clone();
+            let sealed = tokio::task::spawn_blocking(move || seal(&ex2, &d, &attempt)).await;
+            let sealed = sealed.unwrap_or_else(|e| Err(e.to_string()));
+            let command = match sealed {
+                Ok(command) => command,
+                Err(why) => {
+                    warn!(%request_id, reason = %why, "outputs not delivered");
+                    Command::Ran {
+                        request_id,
+                        stage: RunStage::Failed,
+                        detail: why,
+                    }
+                }
+            };
+            let _ = node.send(command).await;
+            return;
+        }
         if stage.is_final() {
             return;
         }
         tokio::time::sleep(WATCH_EVERY).await;
     }
+}
+
+/// Seals a completed attempt's outputs; the node is then told what to deliver.
+fn seal(ex: &ExecutorHandle, d: &Delivery, attempt: &Attempt) -> Result<Command, String> {
+    let to =
+        d.to.ok_or("the lease predates delivery: no recipient to encrypt the outputs to")?;
+    let order = crate::delivery::SealOrder {
+        request_id: &d.request_id,
+        attempt: &attempt.id,
+        outputs: d.outputs.clone(),
+        requester: d.requester,
+        to,
+    };
+    let outputs = crate::delivery::seal(&d.data_dir, ex, &order)?;
+    let exit = attempt.exit.as_ref();
+    let usage = ResourceUsage {
+        wall_ms: exit.map_or(0, |e| e.ended_at_ms.saturating_sub(e.started_at_ms)),
+        output_bytes: outputs.iter().map(|o| o.size_bytes).sum(),
+        ..ResourceUsage::default()
+    };
+    Ok(Command::Prepared {
+        request_id: d.request_id.clone(),
+        outputs,
+        usage,
+        exit_code: exit.and_then(|e| e.code),
+    })
 }
 
 /// The stage a requester is told of for an attempt.

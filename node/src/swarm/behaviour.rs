@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use cannabis_protocol::{
     ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
-    Wire as _,
+    TransferRequest, TransferResponse, Wire as _,
 };
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::swarm::behaviour::toggle::Toggle;
@@ -21,6 +21,8 @@ use crate::config::NodeConfig;
 pub const MARKET_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/market/1");
 /// Protocol id of the sync protocol (a late joiner's copy of the live market).
 pub const SYNC_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/sync/1");
+/// Protocol id of the transfer protocol (a lease's objects, one checked chunk at a time).
+pub const TRANSFER_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/transfer/1");
 /// Protocol id of the capability challenge.
 pub const CHALLENGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/challenge/1");
 /// A challenge is sized to about two seconds of work with three times that as deadline;
@@ -55,6 +57,7 @@ pub struct Behaviour {
     pub(crate) market: request_response::Behaviour<Codec<MarketRequest, MarketResponse>>,
     pub(crate) sync: request_response::Behaviour<Codec<SyncRequest, SyncResponse>>,
     pub(crate) challenge: request_response::Behaviour<Codec<ChallengeRequest, ChallengeResponse>>,
+    pub(crate) transfer: request_response::Behaviour<Codec<TransferRequest, TransferResponse>>,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -175,6 +178,15 @@ impl Behaviour {
                 Codec::default(),
                 [(CHALLENGE_PROTOCOL, request_response::ProtocolSupport::Full)],
                 request_response::Config::default().with_request_timeout(CHALLENGE_TIMEOUT),
+            ),
+            // A few chunks in flight per fetch; a chunk (256 KiB) that takes longer than
+            // this is asked for again.
+            transfer: request_response::Behaviour::with_codec(
+                Codec::default(),
+                [(TRANSFER_PROTOCOL, request_response::ProtocolSupport::Full)],
+                request_response::Config::default()
+                    .with_request_timeout(Duration::from_secs(30))
+                    .with_max_concurrent_streams(64),
             ),
         })
     }

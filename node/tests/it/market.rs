@@ -294,6 +294,32 @@ async fn leased_work_runs_on_the_workers_executor_and_a_cancel_stops_it() {
         "{:?}",
         job.history
     );
+    // Its result came back: sealed to the requester, fetched in checked chunks,
+    // decrypted, its digest matching the signed manifest; the job is complete.
+    let job = wait_state(&requester, &quick.job_id, "the job to complete", |j| {
+        j.summary.state == cannabis_market::job::JobState::Completed
+    })
+    .await;
+    let out = &job.tasks[0].delivered;
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out[0].name, "result.json");
+    assert!(out[0].fetched);
+    let bytes = std::fs::read(&out[0].path).unwrap();
+    assert_eq!(
+        cannabis_protocol::Digest::of(&bytes).to_string(),
+        out[0].digest
+    );
+    let text = String::from_utf8(bytes).unwrap();
+    assert!(
+        text.contains(&result.result_hash.to_string()),
+        "{text} should name {}",
+        result.result_hash
+    );
+    assert!(
+        job.tasks[0].spent > cannabis_protocol::Amount::ZERO,
+        "{:?}",
+        job.tasks[0]
+    );
 
     // A long one: the requester's cancel reaches the worker, which stops it.
     let long = r#"

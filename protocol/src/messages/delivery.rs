@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Runtime, wire};
+use super::{AdapterKind, Runtime, wire};
 use crate::identity::BadSignature;
 use crate::signed::signing_input;
 use crate::{
@@ -24,7 +24,18 @@ pub struct DeliveryManifest {
     pub epoch: u64,
     /// The worker; must be the signer.
     pub worker: Address,
-    /// Digests of every declared output.
+    /// The requester the outputs are encrypted to (its offer's delivery recipient).
+    pub requester: Address,
+    /// The adapter the task ran under.
+    pub adapter: AdapterKind,
+    /// The program bundle's digest, as the offer pinned it.
+    pub bundle: Digest,
+    /// The inputs staged for the run, by file name and digest.
+    pub inputs: Vec<NamedDigest>,
+    /// The workload's exit code (`None`: it ended without one, as the synthetic task does).
+    pub exit_code: Option<i32>,
+    /// Every output the task delivers: its declared outputs (and the synthetic task's
+    /// `result.json`), in declaration order.
     pub outputs: Vec<OutputDigest>,
     /// Configuration the workload ran with.
     pub configuration: Vec<Setting>,
@@ -54,7 +65,31 @@ pub struct OutputDigest {
     pub digest: Digest,
     /// Size in bytes.
     pub size_bytes: u64,
+    /// Size of its age file (the plaintext encrypted to the requester's recipient).
+    pub cipher_size: u64,
+    /// Merkle root (see [`crate::merkle`]) over the age file cut in
+    /// [`crate::TRANSFER_CHUNK`]-byte pieces (the last one shorter): each piece fetched is
+    /// checked against it.
+    pub cipher_root: Digest,
 }
+
+impl OutputDigest {
+    /// Number of transfer chunks of its age file.
+    pub fn chunks(&self) -> u64 {
+        self.cipher_size.div_ceil(crate::TRANSFER_CHUNK)
+    }
+}
+
+/// The largest age file (one X25519 recipient, no armor) of `plain` bytes of plaintext:
+/// a header of at most [`AGE_HEADER_MAX`] bytes, a 16-byte nonce, the plaintext, and a
+/// 16-byte tag for each 64 KiB chunk (at least one).
+pub fn max_cipher_size(plain: u64) -> u64 {
+    let chunks = plain.div_ceil(64 * 1024).max(1);
+    AGE_HEADER_MAX + 16 + plain + 16 * chunks
+}
+
+/// Bound on the header of an age file to one X25519 recipient (it is about 200 bytes).
+pub const AGE_HEADER_MAX: u64 = 1024;
 
 /// A configuration key and value.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,6 +153,24 @@ impl Message for DeliveryManifest {
     const DOMAIN: &'static str = "cannabis/delivery-manifest/v1";
     fn claimed_signer(&self) -> Option<&Address> {
         Some(&self.worker)
+    }
+    fn validate(&self) -> Result<(), Invalid> {
+        let mut seen = std::collections::BTreeSet::new();
+        for o in &self.outputs {
+            if !super::is_safe_name(&o.name) {
+                return Err(Invalid::new(
+                    "outputs",
+                    format!("{:?} is not a plain file name", o.name),
+                ));
+            }
+            if !seen.insert(o.name.as_str()) {
+                return Err(Invalid::new(
+                    "outputs",
+                    format!("{:?} is named twice", o.name),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

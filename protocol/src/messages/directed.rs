@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, JobOffer, LeaseAccept, LeaseRenewal,
-    RunReport, wire,
+    Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest, JobOffer,
+    LeaseAccept, LeaseRenewal, RunReport, wire,
 };
 use crate::{Address, Signed, Uuid};
 
@@ -28,6 +28,9 @@ pub enum MarketRequest {
     Cancel(Signed<Cancel>),
     /// Where a leased attempt stands, from the worker to the requester.
     RunReport(Signed<RunReport>),
+    /// A rank's signed delivery: its outputs' digests and where they came from, from the
+    /// worker to the requester, who then fetches the outputs on the transfer protocol.
+    Deliver(Signed<DeliveryManifest>),
     /// A capability challenge pass, from the verifier to the worker that earned it.
     ChallengePass(Signed<ChallengePass>),
     /// A round-trip probe; answered with the same nonce.
@@ -98,7 +101,11 @@ pub struct SyncResponse {
     pub more: bool,
 }
 
-wire!(MarketRequest, "market request", 64 * 1024 + 512);
+wire!(
+    MarketRequest,
+    "market request",
+    64 * 1024 + crate::ENVELOPE_OVERHEAD + 512
+);
 wire!(MarketResponse, "market response", 4 * 1024);
 wire!(SyncRequest, "sync request", 512);
 wire!(SyncResponse, "sync response", 4 * 1024 * 1024);

@@ -169,6 +169,28 @@ pub struct OutputDecl {
     pub rights: OutputRights,
 }
 
+/// The output every synthetic task delivers besides any it declares: its result, as
+/// JSON (seed, dimension and the product's digest), at most 4 KiB.
+pub const SYNTHETIC_RESULT: &str = "result.json";
+
+impl TaskSpec {
+    /// The outputs a rank of this task delivers, with their size caps: the declared ones
+    /// in order, then the synthetic task's [`SYNTHETIC_RESULT`] unless declared.
+    pub fn delivered_outputs(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .outputs
+            .iter()
+            .map(|o| (o.name.clone(), o.max_bytes))
+            .collect();
+        if self.workload.adapter == AdapterKind::Synthetic
+            && !out.iter().any(|(n, _)| n == SYNTHETIC_RESULT)
+        {
+            out.push((SYNTHETIC_RESULT.into(), 4096));
+        }
+        out
+    }
+}
+
 /// Rights over an output, part of the accepted terms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]

@@ -126,7 +126,7 @@ impl Adapter for Process {
 struct Synthetic;
 
 /// The synthetic task's result file.
-pub(crate) const SYNTHETIC_RESULT: &str = "result.json";
+pub(crate) use cannabis_protocol::SYNTHETIC_RESULT;
 /// Default matrix dimension.
 pub(crate) const SYNTHETIC_DEFAULT_N: u32 = 256;
 

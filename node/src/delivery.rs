@@ -1,0 +1,728 @@
+//! Outputs on their way back: the worker seals a completed attempt's outputs (each
+//! encrypted with age to the requester's recipient, cut in transfer chunks under a Merkle
+//! root) and serves them on the transfer protocol to that requester only; the requester
+//! fetches them chunk by chunk (each checked against the signed manifest, resumable at
+//! any chunk), decrypts, checks digests, sizes and tensor headers, and keeps them under
+//! its data dir.
+//!
+//! On disk (beneath the node's data dir):
+//! - `outbox/<job>-<task>-<rank>-<epoch>/`: `manifest.json` (who may fetch, what),
+//!   `<name>.age` (the ciphertext) and `<name>.leaves` (its chunks' leaf hashes), written
+//!   whole in a temporary folder and renamed into place; removed when the lease ends.
+//! - `results/<job>/<task>/<rank>/<name>`: delivered outputs, checked; partial fetches in
+//!   `results/<job>/<task>/<rank>/.fetch-<epoch>/<name>.age.part`, resumed after a restart.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::str::FromStr as _;
+
+use cannabis_protocol::{
+    Address, DeliveryIdentity, DeliveryManifest, DeliveryRecipient, Digest, NamedDigest,
+    ObjectKind, ObjectRef, OutputDigest, TRANSFER_CHUNK, TransferRequest, TransferResponse, Uuid,
+    merkle,
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use cannabis_market::RunOrder;
+
+use crate::exec::ExecutorHandle;
+
+/// What a sealed delivery's folder says of itself.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Sealed {
+    requester: Address,
+    outputs: Vec<OutputDigest>,
+}
+
+/// The folder of one lease's sealed outputs, by the executor's request id.
+fn outbox_dir(data_dir: &Path, request_id: &str) -> PathBuf {
+    data_dir.join("outbox").join(request_id.replace('/', "-"))
+}
+
+/// Where a job's delivered outputs are kept.
+pub fn results_dir(data_dir: &Path, job: &Uuid) -> PathBuf {
+    data_dir.join("results").join(job.to_string())
+}
+
+/// The folder of one rank's delivered outputs.
+pub fn rank_dir(data_dir: &Path, job: &Uuid, task: u32, rank: u32) -> PathBuf {
+    results_dir(data_dir, job)
+        .join(task.to_string())
+        .join(rank.to_string())
+}
+
+/// Encrypts a reader's bytes to `to` into `out`, returning the plaintext's digest and
+/// size; more than `cap` bytes is an error (never a truncation).
+fn encrypt(
+    mut src: impl FnMut(u64) -> io::Result<(Vec<u8>, bool)>,
+    to: &DeliveryRecipient,
+    out: &mut File,
+    cap: u64,
+    name: &str,
+) -> Result<(Digest, u64), String> {
+    let recipient = age::x25519::Recipient::from_str(&to.to_string())
+        .map_err(|e| format!("the requester's recipient is not an age key: {e}"))?;
+    let encryptor =
+        age::Encryptor::with_recipients(std::iter::once(&recipient as &dyn age::Recipient))
+            .map_err(|e| format!("age: {e}"))?;
+    let mut w = encryptor
+        .wrap_output(io::BufWriter::new(&mut *out))
+        .map_err(|e| format!("writing {name}: {e}"))?;
+    let mut hash = Sha256::new();
+    let mut size = 0u64;
+    loop {
+        let (data, eof) = src(size).map_err(|e| format!("reading output {name:?}: {e}"))?;
+        size += data.len() as u64;
+        if size > cap {
+            return Err(format!(
+                "output {name:?} is over its max_size of {cap} bytes"
+            ));
+        }
+        hash.update(&data);
+        w.write_all(&data)
+            .map_err(|e| format!("writing {name}: {e}"))?;
+        if eof || data.is_empty() {
+            break;
+        }
+    }
+    let mut buf = w.finish().map_err(|e| format!("writing {name}: {e}"))?;
+    buf.flush().map_err(|e| format!("writing {name}: {e}"))?;
+    drop(buf);
+    out.sync_all().map_err(|e| format!("writing {name}: {e}"))?;
+    Ok((Digest(hash.finalize().into()), size))
+}
+
+/// The leaf hashes of a file cut in transfer chunks.
+fn leaves_of(path: &Path) -> io::Result<Vec<Digest>> {
+    let mut f = File::open(path)?;
+    let mut buf = vec![0u8; TRANSFER_CHUNK as usize];
+    let mut leaves = Vec::new();
+    loop {
+        let n = read_full(&mut f, &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        leaves.push(merkle::leaf_hash(&buf[..n]));
+        if n < buf.len() {
+            break;
+        }
+    }
+    Ok(leaves)
+}
+
+/// Reads until `buf` is full or the end.
+fn read_full(f: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// Encrypts one file's bytes to `to` (used by the worker's seal and by tests).
+pub fn seal_bytes_to(
+    data: &[u8],
+    to: &DeliveryRecipient,
+    out: &mut File,
+) -> Result<(Digest, u64), String> {
+    let mut done = false;
+    encrypt(
+        |_| {
+            let chunk = if done { Vec::new() } else { data.to_vec() };
+            done = true;
+            Ok((chunk, true))
+        },
+        to,
+        out,
+        u64::MAX,
+        "data",
+    )
+}
+
+/// What a lease's attempt delivers: which outputs, capped how, to whom.
+pub struct SealOrder<'a> {
+    pub request_id: &'a str,
+    pub attempt: &'a str,
+    pub outputs: Vec<(String, u64)>,
+    pub requester: Address,
+    pub to: DeliveryRecipient,
+}
+
+/// Seals a completed attempt's outputs for its requester (once: a second call, after a
+/// restart, finds them sealed). Blocking.
+pub fn seal(
+    data_dir: &Path,
+    ex: &ExecutorHandle,
+    order: &SealOrder<'_>,
+) -> Result<Vec<OutputDigest>, String> {
+    let dir = outbox_dir(data_dir, order.request_id);
+    if let Ok(text) = fs::read(dir.join("manifest.json"))
+        && let Ok(s) = serde_json::from_slice::<Sealed>(&text)
+    {
+        return Ok(s.outputs);
+    }
+    let io = |e: io::Error| format!("sealing outputs in {}: {e}", dir.display());
+    let tmp = dir.with_extension("tmp");
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).map_err(io)?;
+    let mut outputs = Vec::new();
+    for (name, cap) in &order.outputs {
+        let path = tmp.join(format!("{name}.age"));
+        let mut file = File::create(&path).map_err(io)?;
+        let (digest, size) = encrypt(
+            |offset| {
+                ex.read_output(
+                    order.attempt,
+                    name,
+                    offset,
+                    cannabis_runtime::exec::MAX_CHUNK,
+                )
+                .map(|c| (c.data, c.eof))
+                .map_err(|e| io::Error::other(e.to_string()))
+            },
+            &order.to,
+            &mut file,
+            *cap,
+            name,
+        )?;
+        let leaves = leaves_of(&path).map_err(io)?;
+        let bytes: Vec<u8> = leaves.iter().flat_map(|d| d.0).collect();
+        fs::write(tmp.join(format!("{name}.leaves")), bytes).map_err(io)?;
+        outputs.push(OutputDigest {
+            name: name.clone(),
+            digest,
+            size_bytes: size,
+            cipher_size: file.metadata().map_err(io)?.len(),
+            cipher_root: merkle::root_of_hashes(&leaves),
+        });
+    }
+    let sealed = Sealed {
+        requester: order.requester,
+        outputs: outputs.clone(),
+    };
+    let text = serde_json::to_vec_pretty(&sealed).map_err(|e| e.to_string())?;
+    let mut f = File::create(tmp.join("manifest.json")).map_err(io)?;
+    f.write_all(&text).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    let _ = fs::remove_dir_all(&dir);
+    fs::rename(&tmp, &dir).map_err(io)?;
+    Ok(outputs)
+}
+
+/// Removes a lease's sealed outputs (its lease ended).
+pub fn unseal(data_dir: &Path, request_id: &str) {
+    let _ = fs::remove_dir_all(outbox_dir(data_dir, request_id));
+}
+
+/// Answers a transfer request from `from`. Blocking.
+pub fn serve(data_dir: &Path, from: &Address, req: &TransferRequest) -> TransferResponse {
+    let refuse = |reason: String| TransferResponse::Refused { reason };
+    let o = &req.object;
+    match o.kind {
+        ObjectKind::Output => {}
+    }
+    if !cannabis_protocol::is_safe_name(&o.name) {
+        return refuse("not an output name".into());
+    }
+    let request_id = RunOrder::request_id(&(o.job_id, o.task, o.rank), o.epoch);
+    let dir = outbox_dir(data_dir, &request_id);
+    let Some(sealed) = fs::read(dir.join("manifest.json"))
+        .ok()
+        .and_then(|t| serde_json::from_slice::<Sealed>(&t).ok())
+    else {
+        return refuse(format!(
+            "no delivery of job {} task {} rank {} at epoch {} here",
+            o.job_id, o.task, o.rank, o.epoch
+        ));
+    };
+    if sealed.requester != *from {
+        return refuse("only the requester of this delivery may fetch it".into());
+    }
+    if !sealed.outputs.iter().any(|d| d.name == o.name) {
+        return refuse(format!("this delivery has no output {:?}", o.name));
+    }
+    let read = || -> io::Result<TransferResponse> {
+        let bytes = fs::read(dir.join(format!("{}.leaves", o.name)))?;
+        let leaves: Vec<Digest> = bytes
+            .chunks_exact(32)
+            .map(|c| Digest(c.try_into().unwrap_or([0; 32])))
+            .collect();
+        let Some(proof) = merkle::prove_hashes(&leaves, req.index as usize) else {
+            return Ok(refuse(format!(
+                "chunk {} is past the end ({} chunks)",
+                req.index,
+                leaves.len()
+            )));
+        };
+        let mut f = File::open(dir.join(format!("{}.age", o.name)))?;
+        let size = f.metadata()?.len();
+        f.seek(SeekFrom::Start(req.index * TRANSFER_CHUNK))?;
+        let mut data = vec![0u8; TRANSFER_CHUNK as usize];
+        let n = read_full(&mut f, &mut data)?;
+        data.truncate(n);
+        Ok(TransferResponse::Chunk {
+            index: req.index,
+            size,
+            data,
+            proof: proof.path,
+        })
+    };
+    read().unwrap_or_else(|e| refuse(format!("reading the output: {e}")))
+}
+
+/// Why a fetch did not give checked outputs.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// Worth another try later (the worker is unreachable, a request timed out).
+    #[error("{0}")]
+    Transient(String),
+    /// The delivery is bad: it will not get better by asking again.
+    #[error("{0}")]
+    Bad(String),
+}
+
+/// How many times a chunk that fails its check is asked for again before the delivery
+/// counts as bad.
+const CHUNK_RETRIES: u32 = 3;
+
+/// The partial age file of one output of a fetch.
+fn part_path(dir: &Path, epoch: u64, name: &str) -> PathBuf {
+    dir.join(format!(".fetch-{epoch}"))
+        .join(format!("{name}.age.part"))
+}
+
+/// Fetches, checks and keeps a delivery's outputs; `ask` sends one transfer request to the
+/// worker. Resumes from what an earlier try left. Returns the outputs' digests by name.
+pub async fn fetch<F, Fut>(
+    data_dir: &Path,
+    identity: &DeliveryIdentity,
+    m: &DeliveryManifest,
+    ask: F,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Vec<NamedDigest>, FetchError>
+where
+    F: Fn(TransferRequest) -> Fut,
+    Fut: std::future::Future<Output = Result<TransferResponse, String>>,
+{
+    use futures::stream::{FuturesOrdered, StreamExt as _};
+    let dir = rank_dir(data_dir, &m.job_id, m.task, m.rank);
+    let io =
+        |e: io::Error| FetchError::Transient(format!("keeping outputs in {}: {e}", dir.display()));
+    let total: u64 = m.outputs.iter().map(|o| o.cipher_size).sum();
+    let mut done_bytes = 0u64;
+    for o in &m.outputs {
+        let part = part_path(&dir, m.epoch, &o.name);
+        let whole = part.with_extension("");
+        if whole.exists() {
+            done_bytes += o.cipher_size;
+            continue;
+        }
+        fs::create_dir_all(part.parent().unwrap_or(&dir)).map_err(io)?;
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&part)
+            .map_err(io)?;
+        // Resume at the last whole chunk kept.
+        let have = file.metadata().map_err(io)?.len() / TRANSFER_CHUNK;
+        file.set_len(have * TRANSFER_CHUNK).map_err(io)?;
+        file.seek(SeekFrom::End(0)).map_err(io)?;
+        let chunks = o.chunks();
+        let object = ObjectRef {
+            job_id: m.job_id,
+            task: m.task,
+            rank: m.rank,
+            epoch: m.epoch,
+            kind: ObjectKind::Output,
+            name: o.name.clone(),
+        };
+        let request = |index| TransferRequest {
+            object: object.clone(),
+            index,
+        };
+        done_bytes += have * TRANSFER_CHUNK;
+        progress(done_bytes, total);
+        // A window of chunks in flight, taken in order: bounded memory, whatever the size.
+        const WINDOW: u64 = 4;
+        let mut next = have;
+        let mut inflight = FuturesOrdered::new();
+        let mut retries = 0;
+        while next < chunks && (inflight.len() as u64) < WINDOW {
+            inflight.push_back(ask(request(next)));
+            next += 1;
+        }
+        let mut index = have;
+        while let Some(answer) = inflight.next().await {
+            let answer = answer.map_err(FetchError::Transient)?;
+            let (data, proof) = match answer {
+                TransferResponse::Chunk {
+                    index: i,
+                    size,
+                    data,
+                    proof,
+                } if i == index && size == o.cipher_size => (data, proof),
+                TransferResponse::Chunk { .. } => {
+                    return Err(FetchError::Bad(format!(
+                        "output {:?}: the worker sent another chunk or size than asked",
+                        o.name
+                    )));
+                }
+                TransferResponse::Refused { reason } => {
+                    return Err(FetchError::Bad(format!(
+                        "the worker refused output {:?}: {reason}",
+                        o.name
+                    )));
+                }
+            };
+            let expected = (o.cipher_size - index * TRANSFER_CHUNK).min(TRANSFER_CHUNK);
+            let checked = merkle::InclusionProof {
+                index,
+                tree_size: chunks,
+                path: proof,
+            }
+            .verify(&data, &o.cipher_root);
+            if data.len() as u64 != expected || checked.is_err() {
+                // A corrupted chunk: ask again, from it on.
+                retries += 1;
+                if retries > CHUNK_RETRIES {
+                    return Err(FetchError::Bad(format!(
+                        "output {:?}: chunk {index} failed its check {retries} times",
+                        o.name
+                    )));
+                }
+                tracing::warn!(name = %o.name, index, "a chunk failed its check: fetched again");
+                inflight = FuturesOrdered::new();
+                next = index;
+                while next < chunks && (inflight.len() as u64) < WINDOW {
+                    inflight.push_back(ask(request(next)));
+                    next += 1;
+                }
+                continue;
+            }
+            file.write_all(&data).map_err(io)?;
+            done_bytes += data.len() as u64;
+            progress(done_bytes, total);
+            index += 1;
+            if next < chunks {
+                inflight.push_back(ask(request(next)));
+                next += 1;
+            }
+        }
+        file.sync_all().map_err(io)?;
+        fs::rename(&part, &whole).map_err(io)?;
+    }
+    // Every age file is here: decrypt, check, keep.
+    let mut kept = Vec::new();
+    for o in &m.outputs {
+        let whole = part_path(&dir, m.epoch, &o.name).with_extension("");
+        let out = dir.join(&o.name);
+        let identity = identity.clone();
+        let o2 = o.clone();
+        let whole2 = whole.clone();
+        let out2 = out.clone();
+        let checked =
+            tokio::task::spawn_blocking(move || open_and_check(&whole2, &out2, &o2, &identity))
+                .await
+                .map_err(|e| FetchError::Transient(e.to_string()))?;
+        if let Err(e) = checked {
+            // The bad file goes: a new attempt fetches afresh.
+            let _ = fs::remove_file(&whole);
+            return Err(e);
+        }
+        kept.push(NamedDigest {
+            name: o.name.clone(),
+            digest: o.digest,
+        });
+    }
+    let _ = fs::remove_dir_all(dir.join(format!(".fetch-{}", m.epoch)));
+    Ok(kept)
+}
+
+/// Decrypts an age file into `out` (through a temporary file), checking the plaintext's
+/// digest and size against the manifest, and a tensor file's header.
+fn open_and_check(
+    age_file: &Path,
+    out: &Path,
+    o: &OutputDigest,
+    identity: &DeliveryIdentity,
+) -> Result<(), FetchError> {
+    let bad = |why: String| FetchError::Bad(format!("output {:?}: {why}", o.name));
+    let secret = identity.to_age_string();
+    let id = age::x25519::Identity::from_str(&secret).map_err(|e| bad(e.to_string()))?;
+    let src = File::open(age_file).map_err(|e| bad(e.to_string()))?;
+    let decryptor = age::Decryptor::new(io::BufReader::new(src))
+        .map_err(|e| bad(format!("not an age file: {e}")))?;
+    let mut reader = decryptor
+        .decrypt(std::iter::once(&id as &dyn age::Identity))
+        .map_err(|e| {
+            bad(format!(
+                "cannot be decrypted with this node's identity: {e}"
+            ))
+        })?;
+    let tmp = out.with_extension("checking");
+    let mut w = File::create(&tmp).map_err(|e| bad(e.to_string()))?;
+    let mut hash = Sha256::new();
+    let mut size = 0u64;
+    let mut buf = vec![0u8; 64 * 1024];
+    let result = (|| {
+        loop {
+            let n = reader
+                .read(&mut buf)
+                .map_err(|e| bad(format!("tampered or truncated ciphertext: {e}")))?;
+            if n == 0 {
+                break;
+            }
+            size += n as u64;
+            if size > o.size_bytes {
+                return Err(bad(format!("more than its {} bytes", o.size_bytes)));
+            }
+            hash.update(&buf[..n]);
+            w.write_all(&buf[..n]).map_err(|e| bad(e.to_string()))?;
+        }
+        let digest = Digest(hash.finalize().into());
+        if size != o.size_bytes || digest != o.digest {
+            return Err(bad(format!(
+                "decrypted to {size} bytes with digest {digest}, the manifest says {} bytes with {}",
+                o.size_bytes, o.digest
+            )));
+        }
+        w.sync_all().map_err(|e| bad(e.to_string()))?;
+        check_content(&o.name, &tmp).map_err(bad)?;
+        fs::rename(&tmp, out).map_err(|e| bad(e.to_string()))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// The content rules every delivered output passes: no pickle, whatever its name (a
+/// pickle runs code when loaded), and a `*.safetensors` file's header is valid.
+pub fn check_content(name: &str, path: &Path) -> Result<(), String> {
+    let mut f = File::open(path).map_err(|e| e.to_string())?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    let mut head = vec![0u8; 64 * 1024];
+    let n = read_full(&mut f, &mut head).map_err(|e| e.to_string())?;
+    head.truncate(n);
+    let mut last = [0u8; 1];
+    if len > 0 {
+        f.seek(SeekFrom::End(-1)).map_err(|e| e.to_string())?;
+        f.read_exact(&mut last).map_err(|e| e.to_string())?;
+    }
+    if is_pickle(&head, last[0]) {
+        return Err("a pickle file (it would run code when loaded): refused".into());
+    }
+    if name.ends_with(".safetensors") {
+        f.seek(SeekFrom::Start(0)).map_err(|e| e.to_string())?;
+        check_safetensors(&mut f, len)?;
+    }
+    Ok(())
+}
+
+/// Whether bytes are a pickle: protocol 2 to 5 (`0x80 n` ... `.`), or a PyTorch zip
+/// archive (its `data.pkl` member).
+fn is_pickle(head: &[u8], last: u8) -> bool {
+    let raw = head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) && last == b'.';
+    let torch_zip = head.starts_with(b"PK\x03\x04") && head.windows(8).any(|w| w == b"data.pkl");
+    raw || torch_zip
+}
+
+/// Largest safetensors header read (the format's own bound).
+const SAFETENSORS_HEADER_MAX: u64 = 100 * 1024 * 1024;
+
+/// Checks a safetensors file's header: its length in bounds, JSON, known dtypes, each
+/// tensor's byte range as long as its shape says, inside the file, no two overlapping,
+/// and together covering the data exactly.
+pub fn check_safetensors(f: &mut impl Read, len: u64) -> Result<(), String> {
+    let bad = |why: String| Err(format!("not a valid safetensors file: {why}"));
+    let mut n = [0u8; 8];
+    if len < 8 || f.read_exact(&mut n).is_err() {
+        return bad("shorter than its 8-byte header length".into());
+    }
+    let n = u64::from_le_bytes(n);
+    if n > SAFETENSORS_HEADER_MAX || n > len - 8 {
+        return bad(format!("a header of {n} bytes in a file of {len}"));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(|e| e.to_string())?;
+    let json: serde_json::Map<String, serde_json::Value> = match serde_json::from_slice(&header) {
+        Ok(j) => j,
+        Err(e) => return bad(format!("the header is not a JSON object: {e}")),
+    };
+    let data_len = len - 8 - n;
+    let mut ranges = Vec::new();
+    for (key, v) in &json {
+        if key == "__metadata__" {
+            if !v
+                .as_object()
+                .is_some_and(|m| m.values().all(|x| x.is_string()))
+            {
+                return bad("__metadata__ is not a map of strings".into());
+            }
+            continue;
+        }
+        let Some(t) = v.as_object() else {
+            return bad(format!("tensor {key:?} is not an object"));
+        };
+        let dtype = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("");
+        let Some(width) = dtype_bits(dtype) else {
+            return bad(format!("tensor {key:?} has unknown dtype {dtype:?}"));
+        };
+        let shape: Option<Vec<u64>> = t
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect());
+        let Some(shape) = shape else {
+            return bad(format!("tensor {key:?} has no shape of whole numbers"));
+        };
+        let offsets: Option<Vec<u64>> = t
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|d| d.as_u64()).collect());
+        let Some([begin, end]) = offsets
+            .as_deref()
+            .and_then(|o| <[u64; 2]>::try_from(o).ok())
+        else {
+            return bad(format!("tensor {key:?} has no [begin, end] data_offsets"));
+        };
+        let bits = shape
+            .iter()
+            .try_fold(width, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| format!("tensor {key:?}: its shape overflows"))?;
+        if end < begin || end > data_len {
+            return bad(format!(
+                "tensor {key:?}: bytes {begin}..{end} are outside the {data_len} bytes of data"
+            ));
+        }
+        if bits % 8 != 0 || bits / 8 != end - begin {
+            return bad(format!(
+                "tensor {key:?}: shape {shape:?} of {dtype} is not {} bytes",
+                end - begin
+            ));
+        }
+        ranges.push((begin, end, key.clone()));
+    }
+    ranges.sort();
+    let mut at = 0;
+    for (begin, end, key) in &ranges {
+        if *begin < at {
+            return bad(format!("tensor {key:?} overlaps another"));
+        }
+        if *begin > at {
+            return bad(format!("bytes {at}..{begin} belong to no tensor"));
+        }
+        at = *end;
+    }
+    if at != data_len {
+        return bad(format!("bytes {at}..{data_len} belong to no tensor"));
+    }
+    Ok(())
+}
+
+/// Bits per element of a safetensors dtype.
+fn dtype_bits(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" => 64,
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensors(header: &str, data: usize) -> Vec<u8> {
+        let mut v = (header.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(header.as_bytes());
+        v.extend(std::iter::repeat_n(0u8, data));
+        v
+    }
+
+    fn check(bytes: &[u8]) -> Result<(), String> {
+        check_safetensors(&mut &bytes[..], bytes.len() as u64)
+    }
+
+    #[test]
+    fn a_valid_safetensors_header_passes() {
+        let h = r#"{"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"U8","shape":[3],"data_offsets":[16,19]}}"#;
+        check(&tensors(h, 19)).unwrap();
+    }
+
+    #[test]
+    fn malformed_safetensors_headers_are_refused_each_for_its_reason() {
+        let cases = [
+            (tensors("{", 0), "not a JSON object"),
+            (
+                tensors(
+                    r#"{"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}}"#,
+                    1,
+                ),
+                "unknown dtype",
+            ),
+            (
+                tensors(
+                    r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+                    4,
+                ),
+                "is not 4 bytes",
+            ),
+            (
+                tensors(
+                    r#"{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#,
+                    4,
+                ),
+                "outside",
+            ),
+            (
+                tensors(
+                    r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+                    6,
+                ),
+                "overlaps",
+            ),
+            (
+                tensors(
+                    r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+                    4,
+                ),
+                "belong to no tensor",
+            ),
+            (u64::MAX.to_le_bytes().to_vec(), "a header of"),
+            (vec![1, 2], "shorter"),
+        ];
+        for (bytes, why) in cases {
+            let e = check(&bytes).unwrap_err();
+            assert!(e.contains(why), "{e} (wanted {why:?})");
+        }
+    }
+
+    #[test]
+    fn a_pickle_named_safetensors_is_refused_as_a_pickle() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("model.safetensors");
+        // `pickle.dumps({}, protocol=4)`.
+        fs::write(&p, b"\x80\x04\x95\x04\x00\x00\x00\x00\x00\x00\x00}\x94.").unwrap();
+        let e = check_content("model.safetensors", &p).unwrap_err();
+        assert!(e.contains("pickle"), "{e}");
+        fs::write(&p, b"PK\x03\x04....archive/data.pkl....").unwrap();
+        assert!(
+            check_content("model.pt", &p)
+                .unwrap_err()
+                .contains("pickle")
+        );
+        fs::write(&p, b"plain text.").unwrap();
+        check_content("notes.txt", &p).unwrap();
+    }
+}

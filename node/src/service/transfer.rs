@@ -1,0 +1,290 @@
+//! The transfer protocol on the node: serving sealed outputs to their requester (off the
+//! driver: file reads block), asking peers for chunks on behalf of fetches, and the
+//! fetches the engine orders, each a task that reports back once the outputs are kept
+//! (or cannot be had).
+
+use std::time::Duration;
+
+use cannabis_market::Command as MarketCommand;
+use cannabis_protocol::{DeliveryManifest, Signed, TransferRequest, TransferResponse};
+use libp2p::PeerId;
+use libp2p::request_response::{Event, Message, ResponseChannel};
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use super::{Command, Node, now};
+use crate::delivery::{self, FetchError};
+use crate::swarm;
+use cannabis_api as api;
+
+/// How long a fetch keeps trying a worker that cannot be reached before the rank counts
+/// as failed (and is placed again).
+const FETCH_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Each running fetch's progress, by (job, task, rank).
+pub(crate) type Progresses = std::sync::Arc<
+    std::sync::Mutex<std::collections::HashMap<(cannabis_protocol::Uuid, u32, u32), FetchProgress>>,
+>;
+
+/// A fetch's progress, for `job status`.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct FetchProgress {
+    pub bytes: u64,
+    pub total: u64,
+    pub started: Option<std::time::Instant>,
+}
+
+impl Node {
+    pub(super) fn on_transfer(&mut self, event: Event<TransferRequest, TransferResponse>) {
+        match event {
+            Event::Message {
+                peer,
+                message:
+                    Message::Request {
+                        request, channel, ..
+                    },
+                ..
+            } => self.serve_transfer(peer, request, channel),
+            Event::Message {
+                message:
+                    Message::Response {
+                        request_id,
+                        response,
+                    },
+                ..
+            } => {
+                if let Some(reply) = self.transfers.remove(&request_id) {
+                    let _ = reply.send(Ok(response));
+                }
+            }
+            Event::OutboundFailure {
+                peer,
+                request_id,
+                error,
+                ..
+            } => {
+                if let Some(reply) = self.transfers.remove(&request_id) {
+                    let _ = reply.send(Err(format!("transfer request to {peer} failed: {error}")));
+                }
+            }
+            Event::InboundFailure { peer, error, .. } => {
+                debug!(%peer, %error, "transfer request failed");
+            }
+            Event::ResponseSent { .. } => {}
+        }
+    }
+
+    fn serve_transfer(
+        &mut self,
+        peer: PeerId,
+        request: TransferRequest,
+        channel: ResponseChannel<TransferResponse>,
+    ) {
+        let refuse = |reason: &str| TransferResponse::Refused {
+            reason: reason.into(),
+        };
+        let from = match swarm::address_of(&peer) {
+            Some(a) if !self.graylisted(&peer) => a,
+            Some(_) => return self.answer_transfer(channel, refuse("graylisted")),
+            None => return self.answer_transfer(channel, refuse("no market identity")),
+        };
+        let data_dir = self.data_dir.clone();
+        let tell = self.self_tx.clone();
+        tokio::spawn(async move {
+            let response =
+                tokio::task::spawn_blocking(move || delivery::serve(&data_dir, &from, &request))
+                    .await
+                    .unwrap_or_else(|e| TransferResponse::Refused {
+                        reason: e.to_string(),
+                    });
+            let _ = tell.send(Command::TransferServed(channel, response)).await;
+        });
+    }
+
+    pub(super) fn answer_transfer(
+        &mut self,
+        channel: ResponseChannel<TransferResponse>,
+        response: TransferResponse,
+    ) {
+        if let Err(e) = self
+            .swarm
+            .behaviour_mut()
+            .transfer
+            .send_response(channel, response)
+        {
+            debug!(?e, "the fetcher went away before the chunk");
+        }
+    }
+
+    pub(super) fn ask_transfer(
+        &mut self,
+        peer: PeerId,
+        request: TransferRequest,
+        reply: oneshot::Sender<Result<TransferResponse, String>>,
+    ) {
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .transfer
+            .send_request(&peer, request);
+        self.transfers.insert(id, reply);
+    }
+
+    /// The engine asks for a delivery's outputs: one task fetches them (a second order
+    /// for the same rank and epoch, while it runs, is the same fetch).
+    pub(super) fn start_fetch(&mut self, signed: Signed<DeliveryManifest>) {
+        let Ok(m) = signed.open().map(|r| r.body) else {
+            return;
+        };
+        let key = (m.job_id, m.task, m.rank, m.epoch);
+        if !self.fetching.insert(key) {
+            return;
+        }
+        let Some(peer) = swarm::peer_of(&m.worker) else {
+            return;
+        };
+        let data_dir = self.data_dir.clone();
+        let identity = self.keys.delivery.clone();
+        let tell = self.self_tx.clone();
+        let progress = self.fetch_progress.clone();
+        info!(job = %m.job_id, task = m.task, rank = m.rank, epoch = m.epoch, "fetching outputs");
+        tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut pause = Duration::from_millis(500);
+            let result = loop {
+                let ask = |request: TransferRequest| {
+                    let tell = tell.clone();
+                    async move {
+                        let (reply, answer) = oneshot::channel();
+                        tell.send(Command::Transfer {
+                            peer,
+                            request,
+                            reply,
+                        })
+                        .await
+                        .map_err(|_| "the node is stopping".to_string())?;
+                        answer
+                            .await
+                            .map_err(|_| "the node is stopping".to_string())?
+                    }
+                };
+                let k = (m.job_id, m.task, m.rank);
+                let shown = progress.clone();
+                let at = std::time::Instant::now();
+                let attempt = delivery::fetch(&data_dir, &identity, &m, ask, |bytes, total| {
+                    if let Ok(mut p) = shown.lock() {
+                        let e = p.entry(k).or_default();
+                        e.started.get_or_insert(at);
+                        e.bytes = bytes;
+                        e.total = total;
+                    }
+                })
+                .await;
+                match attempt {
+                    Ok(kept) => break Ok(kept),
+                    Err(FetchError::Bad(why)) => break Err(why),
+                    Err(FetchError::Transient(why)) if started.elapsed() >= FETCH_PATIENCE => {
+                        break Err(format!(
+                            "the outputs could not be fetched in {} s: {why}",
+                            FETCH_PATIENCE.as_secs()
+                        ));
+                    }
+                    Err(FetchError::Transient(why)) => {
+                        debug!(reason = %why, "fetch interrupted; resuming");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(8));
+                    }
+                }
+            };
+            let _ = tell.send(Command::Fetched(Box::new(m), result)).await;
+        });
+    }
+
+    /// A fetch ended: the rank is delivered, or failed.
+    pub(super) fn fetched(
+        &mut self,
+        m: DeliveryManifest,
+        result: Result<Vec<cannabis_protocol::NamedDigest>, String>,
+    ) {
+        self.fetching.remove(&(m.job_id, m.task, m.rank, m.epoch));
+        if let Ok(mut p) = self.fetch_progress.lock() {
+            p.remove(&(m.job_id, m.task, m.rank));
+        }
+        let command = match result {
+            Ok(outputs) => {
+                info!(job = %m.job_id, task = m.task, rank = m.rank, "outputs delivered and checked");
+                MarketCommand::Delivered {
+                    job: m.job_id,
+                    task: m.task,
+                    rank: m.rank,
+                    epoch: m.epoch,
+                    outputs,
+                }
+            }
+            Err(reason) => {
+                warn!(job = %m.job_id, task = m.task, rank = m.rank, %reason, "delivery refused");
+                MarketCommand::RankFailed {
+                    job: m.job_id,
+                    task: m.task,
+                    rank: m.rank,
+                    epoch: m.epoch,
+                    reason: format!("delivery refused: {reason}"),
+                }
+            }
+        };
+        if let Err(e) = self.market.command(now().0, command) {
+            debug!(error = %e, "delivery outcome not taken");
+        }
+        self.drain();
+    }
+}
+
+impl Node {
+    /// Fills a job's delivered outputs (from the ranks' signed manifests) and the fetches
+    /// on their way.
+    pub(super) fn add_deliveries(&self, id: &cannabis_protocol::Uuid, detail: &mut api::JobDetail) {
+        let progress = self
+            .fetch_progress
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default();
+        for (i, t) in detail.tasks.iter_mut().enumerate() {
+            let dir_of = |rank| delivery::rank_dir(&self.data_dir, id, i as u32, rank);
+            for r in &t.ranks {
+                let Some(m) = r.delivery.as_deref().and_then(|s| s.clone().open().ok()) else {
+                    continue;
+                };
+                let m = m.body;
+                for o in &m.outputs {
+                    let path = dir_of(r.rank).join(&o.name);
+                    t.delivered.push(api::DeliveredOutput {
+                        rank: r.rank,
+                        epoch: m.epoch,
+                        name: o.name.clone(),
+                        digest: o.digest.to_string(),
+                        size_bytes: o.size_bytes,
+                        fetched: r.state == cannabis_market::job::LeaseState::Done,
+                        path: path.display().to_string(),
+                        exit_code: m.exit_code,
+                        wall_ms: m.usage.wall_ms,
+                    });
+                }
+                if let Some(p) = progress.get(&(*id, i as u32, r.rank)) {
+                    let secs = p.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+                    let rate = if secs > 0.0 {
+                        (p.bytes as f64 / secs) as u64
+                    } else {
+                        0
+                    };
+                    t.transfers.push(api::Transfer {
+                        rank: r.rank,
+                        bytes: p.bytes,
+                        total: p.total,
+                        rate_bps: rate,
+                        eta_secs: (rate > 0).then(|| p.total.saturating_sub(p.bytes) / rate),
+                    });
+                }
+            }
+        }
+    }
+}
