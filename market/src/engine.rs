@@ -492,6 +492,8 @@ pub enum RunOrder {
         /// The offer's delivery recipient, to which the outputs are encrypted (`None`:
         /// a lease taken before it was kept; its outputs cannot be delivered).
         deliver_to: Option<DeliveryRecipient>,
+        /// The award's pinned digests of the inputs that earlier tasks delivered.
+        inputs: Vec<NamedDigest>,
     },
     /// The lease was renewed: the attempt may run until `until`.
     Renew {

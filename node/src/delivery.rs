@@ -219,15 +219,12 @@ pub fn unseal(data_dir: &Path, request_id: &str) {
     let _ = fs::remove_dir_all(outbox_dir(data_dir, request_id));
 }
 
-/// Answers a transfer request from `from`. Blocking.
+/// Answers a request for an output from `from`. Blocking.
 pub fn serve(data_dir: &Path, from: &Address, req: &TransferRequest) -> TransferResponse {
     let refuse = |reason: String| TransferResponse::Refused { reason };
     let o = &req.object;
-    match o.kind {
-        ObjectKind::Output => {}
-    }
-    if !cannabis_protocol::is_safe_name(&o.name) {
-        return refuse("not an output name".into());
+    if o.kind != ObjectKind::Output || !cannabis_protocol::is_safe_name(&o.name) {
+        return refuse("not an output of a delivery".into());
     }
     let request_id = RunOrder::request_id(&(o.job_id, o.task, o.rank), o.epoch);
     let dir = outbox_dir(data_dir, &request_id);
@@ -246,33 +243,162 @@ pub fn serve(data_dir: &Path, from: &Address, req: &TransferRequest) -> Transfer
     if !sealed.outputs.iter().any(|d| d.name == o.name) {
         return refuse(format!("this delivery has no output {:?}", o.name));
     }
+    serve_chunk(&dir.join(format!("{}.age", o.name)), req.index)
+}
+
+/// One chunk of a sealed age file (beside it, its `.leaves`), with its proof.
+fn serve_chunk(age_file: &Path, index: u64) -> TransferResponse {
+    let refuse = |reason: String| TransferResponse::Refused { reason };
     let read = || -> io::Result<TransferResponse> {
-        let bytes = fs::read(dir.join(format!("{}.leaves", o.name)))?;
+        let bytes = fs::read(age_file.with_extension("leaves"))?;
         let leaves: Vec<Digest> = bytes
             .chunks_exact(32)
             .map(|c| Digest(c.try_into().unwrap_or([0; 32])))
             .collect();
-        let Some(proof) = merkle::prove_hashes(&leaves, req.index as usize) else {
+        let Some(proof) = merkle::prove_hashes(&leaves, index as usize) else {
             return Ok(refuse(format!(
-                "chunk {} is past the end ({} chunks)",
-                req.index,
+                "chunk {index} is past the end ({} chunks)",
                 leaves.len()
             )));
         };
-        let mut f = File::open(dir.join(format!("{}.age", o.name)))?;
+        let mut f = File::open(age_file)?;
         let size = f.metadata()?.len();
-        f.seek(SeekFrom::Start(req.index * TRANSFER_CHUNK))?;
+        f.seek(SeekFrom::Start(index * TRANSFER_CHUNK))?;
         let mut data = vec![0u8; TRANSFER_CHUNK as usize];
         let n = read_full(&mut f, &mut data)?;
         data.truncate(n);
         Ok(TransferResponse::Chunk {
-            index: req.index,
+            index,
             size,
+            root: merkle::root_of_hashes(&leaves),
             data,
             proof: proof.path,
         })
     };
-    read().unwrap_or_else(|e| refuse(format!("reading the output: {e}")))
+    read().unwrap_or_else(|e| refuse(format!("reading it: {e}")))
+}
+
+/// Encrypts a local file to `to` as `<dir>/<file>.age` (with its `.leaves`), once.
+fn seal_file(
+    source: &Path,
+    pinned: &Digest,
+    to: &DeliveryRecipient,
+    age_file: &Path,
+) -> Result<(), String> {
+    if age_file.exists() && age_file.with_extension("leaves").exists() {
+        return Ok(());
+    }
+    let io = |e: io::Error| format!("sealing {}: {e}", source.display());
+    let dir = age_file.parent().ok_or("no folder")?;
+    fs::create_dir_all(dir).map_err(io)?;
+    let tmp = age_file.with_extension("sealing");
+    let mut out = File::create(&tmp).map_err(io)?;
+    let mut src = File::open(source).map_err(io)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (digest, _) = encrypt(
+        |_| {
+            let n = read_full(&mut src, &mut buf)?;
+            Ok((buf[..n].to_vec(), n < buf.len()))
+        },
+        to,
+        &mut out,
+        u64::MAX,
+        &source.display().to_string(),
+    )?;
+    if digest != *pinned {
+        let _ = fs::remove_file(&tmp);
+        return Err(format!(
+            "the copy kept for it changed since the job was published (digest {digest}, pinned {pinned})"
+        ));
+    }
+    let leaves = leaves_of(&tmp).map_err(io)?;
+    let bytes: Vec<u8> = leaves.iter().flat_map(|d| d.0).collect();
+    fs::write(age_file.with_extension("leaves"), bytes).map_err(io)?;
+    fs::rename(&tmp, age_file).map_err(io)
+}
+
+/// Where a requester keeps a package (a bundle or a staged input) by digest: `job
+/// submit` copies it there.
+pub fn package_path(data_dir: &Path, digest: &Digest) -> PathBuf {
+    data_dir.join("packages").join(digest.to_string())
+}
+
+/// Copies a local file into the package store (checked on the copy); returns its
+/// digest and size.
+pub fn keep_package(data_dir: &Path, source: &Path) -> Result<(Digest, u64), String> {
+    let io = |e: io::Error| format!("keeping {} for workers to fetch: {e}", source.display());
+    let dir = data_dir.join("packages");
+    fs::create_dir_all(&dir).map_err(io)?;
+    let tmp = tempfile::NamedTempFile::new_in(&dir).map_err(io)?;
+    let mut src = File::open(source).map_err(io)?;
+    let mut w = io::BufWriter::new(tmp.as_file());
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = src.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+        w.write_all(&buf[..n]).map_err(io)?;
+        size += n as u64;
+    }
+    w.flush().map_err(io)?;
+    drop(w);
+    tmp.as_file().sync_all().map_err(io)?;
+    let digest = Digest(hash.finalize().into());
+    tmp.persist(package_path(data_dir, &digest))
+        .map_err(|e| io(e.error))?;
+    Ok((digest, size))
+}
+
+/// What a requester serves a worker: a package of a rank it awarded.
+pub struct PackageServe {
+    /// The assignment's executor request id (job, task, rank, epoch).
+    pub request_id: String,
+    /// The plaintext it is made from.
+    pub source: PathBuf,
+    /// Its pinned digest.
+    pub digest: Digest,
+    /// The worker's recipient, from its ad.
+    pub to: DeliveryRecipient,
+}
+
+/// Answers a request for a package, sealing it first if this is its first request.
+/// Blocking; `lock` keeps two requests from sealing one package at once.
+pub fn serve_package(
+    data_dir: &Path,
+    p: &PackageServe,
+    req: &TransferRequest,
+    lock: &std::sync::Mutex<()>,
+) -> TransferResponse {
+    let kind = match req.object.kind {
+        ObjectKind::Bundle => "bundle",
+        ObjectKind::Input => "input",
+        ObjectKind::Output => "output",
+    };
+    let age_file = data_dir
+        .join("outbox")
+        .join(format!("pkg-{}", p.request_id.replace('/', "-")))
+        .join(format!("{kind}-{}.age", req.object.name));
+    let sealed = {
+        let _held = lock.lock();
+        seal_file(&p.source, &p.digest, &p.to, &age_file)
+    };
+    match sealed {
+        Ok(()) => serve_chunk(&age_file, req.index),
+        Err(e) => TransferResponse::Refused { reason: e },
+    }
+}
+
+/// Removes what a requester sealed for one assignment's epoch.
+pub fn unseal_packages(data_dir: &Path, request_id: &str) {
+    let _ = fs::remove_dir_all(
+        data_dir
+            .join("outbox")
+            .join(format!("pkg-{}", request_id.replace('/', "-"))),
+    );
 }
 
 /// Why a fetch did not give checked outputs.
@@ -289,6 +415,163 @@ pub enum FetchError {
 /// How many times a chunk that fails its check is asked for again before the delivery
 /// counts as bad.
 const CHUNK_RETRIES: u32 = 3;
+
+/// What a fetcher knows of an object before it asks.
+#[derive(Clone, Copy, Debug)]
+pub struct Expect {
+    /// Size and Merkle root, when signed for (an output's, from its manifest); `None`:
+    /// the first chunk says, and every later one is held to it.
+    pub known: Option<(u64, Digest)>,
+    /// The most plaintext the object may hold (its age file is refused past what that
+    /// makes).
+    pub max_plain: u64,
+}
+
+/// The size and root a fetch took from the first chunk, kept beside the partial file so a
+/// resumed fetch holds the rest to them.
+#[derive(Serialize, Deserialize)]
+struct Learned {
+    size: u64,
+    root: Digest,
+}
+
+/// Fetches one object's age file into `part` (renamed to `part` less `.part` once whole),
+/// each chunk checked, resuming at the first chunk missing. Returns the whole file.
+pub async fn fetch_object<F, Fut>(
+    part: &Path,
+    object: &ObjectRef,
+    expect: Expect,
+    ask: &F,
+    progress: &mut impl FnMut(u64, u64),
+) -> Result<PathBuf, FetchError>
+where
+    F: Fn(TransferRequest) -> Fut,
+    Fut: std::future::Future<Output = Result<TransferResponse, String>>,
+{
+    use futures::stream::{FuturesOrdered, StreamExt as _};
+    let whole = part.with_extension("");
+    if whole.exists() {
+        return Ok(whole);
+    }
+    let io = |e: io::Error| FetchError::Transient(format!("writing {}: {e}", part.display()));
+    let name = &object.name;
+    let learned_path = part.with_extension("learned");
+    let mut known = expect.known.or_else(|| {
+        fs::read(&learned_path)
+            .ok()
+            .and_then(|t| serde_json::from_slice::<Learned>(&t).ok())
+            .map(|l| (l.size, l.root))
+    });
+    fs::create_dir_all(part.parent().unwrap_or(Path::new("."))).map_err(io)?;
+    let mut file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(part)
+        .map_err(io)?;
+    // Resume at the last whole chunk kept (nothing, when the size and root are not known).
+    let have = if known.is_some() {
+        file.metadata().map_err(io)?.len() / TRANSFER_CHUNK
+    } else {
+        0
+    };
+    file.set_len(have * TRANSFER_CHUNK).map_err(io)?;
+    file.seek(SeekFrom::End(0)).map_err(io)?;
+    let request = |index| TransferRequest {
+        object: object.clone(),
+        index,
+    };
+    // A window of chunks in flight, taken in order: bounded memory, whatever the size.
+    const WINDOW: u64 = 4;
+    let chunks_of = |size: u64| size.div_ceil(TRANSFER_CHUNK);
+    let mut chunks = known.map_or(1, |(size, _)| chunks_of(size));
+    let mut next = have;
+    let mut inflight = FuturesOrdered::new();
+    let mut retries = 0;
+    let mut index = have;
+    progress(have * TRANSFER_CHUNK, known.map_or(0, |k| k.0));
+    // Until the first chunk tells the size, one request at a time.
+    let window = if known.is_some() { WINDOW } else { 1 };
+    while next < chunks && (inflight.len() as u64) < window {
+        inflight.push_back(ask(request(next)));
+        next += 1;
+    }
+    while let Some(answer) = inflight.next().await {
+        let answer = answer.map_err(FetchError::Transient)?;
+        let (size, root, data, proof) = match answer {
+            TransferResponse::Chunk {
+                index: i,
+                size,
+                root,
+                data,
+                proof,
+            } if i == index => (size, root, data, proof),
+            TransferResponse::Chunk { .. } => {
+                return Err(FetchError::Bad(format!(
+                    "{name:?}: the peer sent another chunk than asked"
+                )));
+            }
+            TransferResponse::Refused { reason } => {
+                return Err(FetchError::Bad(format!("{name:?} refused: {reason}")));
+            }
+        };
+        match known {
+            Some(k) if k != (size, root) => {
+                return Err(FetchError::Bad(format!(
+                    "{name:?}: the peer sent a chunk of another file ({size} bytes, root {root})"
+                )));
+            }
+            Some(_) => {}
+            None => {
+                if size > cannabis_protocol::max_cipher_size(expect.max_plain) {
+                    return Err(FetchError::Bad(format!(
+                        "{name:?} is {size} bytes of ciphertext, over what {} bytes allow",
+                        expect.max_plain
+                    )));
+                }
+                let text = serde_json::to_vec(&Learned { size, root })
+                    .map_err(|e| FetchError::Transient(e.to_string()))?;
+                fs::write(&learned_path, text).map_err(io)?;
+                known = Some((size, root));
+                chunks = chunks_of(size);
+            }
+        }
+        let expected = size
+            .saturating_sub(index * TRANSFER_CHUNK)
+            .min(TRANSFER_CHUNK);
+        let checked = merkle::InclusionProof {
+            index,
+            tree_size: chunks,
+            path: proof,
+        }
+        .verify(&data, &root);
+        if data.len() as u64 != expected || checked.is_err() {
+            // A corrupted chunk: ask again, from it on.
+            retries += 1;
+            if retries > CHUNK_RETRIES {
+                return Err(FetchError::Bad(format!(
+                    "{name:?}: chunk {index} failed its check {retries} times"
+                )));
+            }
+            tracing::warn!(%name, index, "a chunk failed its check: fetched again");
+            inflight = FuturesOrdered::new();
+            next = index;
+        } else {
+            file.write_all(&data).map_err(io)?;
+            index += 1;
+            progress((index * TRANSFER_CHUNK).min(size), size);
+        }
+        while next < chunks && (inflight.len() as u64) < WINDOW {
+            inflight.push_back(ask(request(next)));
+            next += 1;
+        }
+    }
+    file.sync_all().map_err(io)?;
+    fs::rename(part, &whole).map_err(io)?;
+    let _ = fs::remove_file(&learned_path);
+    Ok(whole)
+}
 
 /// The partial age file of one output of a fetch.
 fn part_path(dir: &Path, epoch: u64, name: &str) -> PathBuf {
@@ -309,32 +592,11 @@ where
     F: Fn(TransferRequest) -> Fut,
     Fut: std::future::Future<Output = Result<TransferResponse, String>>,
 {
-    use futures::stream::{FuturesOrdered, StreamExt as _};
     let dir = rank_dir(data_dir, &m.job_id, m.task, m.rank);
-    let io =
-        |e: io::Error| FetchError::Transient(format!("keeping outputs in {}: {e}", dir.display()));
     let total: u64 = m.outputs.iter().map(|o| o.cipher_size).sum();
-    let mut done_bytes = 0u64;
+    let mut before = 0u64;
+    let mut kept = Vec::new();
     for o in &m.outputs {
-        let part = part_path(&dir, m.epoch, &o.name);
-        let whole = part.with_extension("");
-        if whole.exists() {
-            done_bytes += o.cipher_size;
-            continue;
-        }
-        fs::create_dir_all(part.parent().unwrap_or(&dir)).map_err(io)?;
-        let mut file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&part)
-            .map_err(io)?;
-        // Resume at the last whole chunk kept.
-        let have = file.metadata().map_err(io)?.len() / TRANSFER_CHUNK;
-        file.set_len(have * TRANSFER_CHUNK).map_err(io)?;
-        file.seek(SeekFrom::End(0)).map_err(io)?;
-        let chunks = o.chunks();
         let object = ObjectRef {
             job_id: m.job_id,
             task: m.task,
@@ -343,99 +605,25 @@ where
             kind: ObjectKind::Output,
             name: o.name.clone(),
         };
-        let request = |index| TransferRequest {
-            object: object.clone(),
-            index,
+        let expect = Expect {
+            known: Some((o.cipher_size, o.cipher_root)),
+            max_plain: o.size_bytes,
         };
-        done_bytes += have * TRANSFER_CHUNK;
-        progress(done_bytes, total);
-        // A window of chunks in flight, taken in order: bounded memory, whatever the size.
-        const WINDOW: u64 = 4;
-        let mut next = have;
-        let mut inflight = FuturesOrdered::new();
-        let mut retries = 0;
-        while next < chunks && (inflight.len() as u64) < WINDOW {
-            inflight.push_back(ask(request(next)));
-            next += 1;
-        }
-        let mut index = have;
-        while let Some(answer) = inflight.next().await {
-            let answer = answer.map_err(FetchError::Transient)?;
-            let (data, proof) = match answer {
-                TransferResponse::Chunk {
-                    index: i,
-                    size,
-                    data,
-                    proof,
-                } if i == index && size == o.cipher_size => (data, proof),
-                TransferResponse::Chunk { .. } => {
-                    return Err(FetchError::Bad(format!(
-                        "output {:?}: the worker sent another chunk or size than asked",
-                        o.name
-                    )));
-                }
-                TransferResponse::Refused { reason } => {
-                    return Err(FetchError::Bad(format!(
-                        "the worker refused output {:?}: {reason}",
-                        o.name
-                    )));
-                }
-            };
-            let expected = (o.cipher_size - index * TRANSFER_CHUNK).min(TRANSFER_CHUNK);
-            let checked = merkle::InclusionProof {
-                index,
-                tree_size: chunks,
-                path: proof,
-            }
-            .verify(&data, &o.cipher_root);
-            if data.len() as u64 != expected || checked.is_err() {
-                // A corrupted chunk: ask again, from it on.
-                retries += 1;
-                if retries > CHUNK_RETRIES {
-                    return Err(FetchError::Bad(format!(
-                        "output {:?}: chunk {index} failed its check {retries} times",
-                        o.name
-                    )));
-                }
-                tracing::warn!(name = %o.name, index, "a chunk failed its check: fetched again");
-                inflight = FuturesOrdered::new();
-                next = index;
-                while next < chunks && (inflight.len() as u64) < WINDOW {
-                    inflight.push_back(ask(request(next)));
-                    next += 1;
-                }
-                continue;
-            }
-            file.write_all(&data).map_err(io)?;
-            done_bytes += data.len() as u64;
-            progress(done_bytes, total);
-            index += 1;
-            if next < chunks {
-                inflight.push_back(ask(request(next)));
-                next += 1;
-            }
-        }
-        file.sync_all().map_err(io)?;
-        fs::rename(&part, &whole).map_err(io)?;
-    }
-    // Every age file is here: decrypt, check, keep.
-    let mut kept = Vec::new();
-    for o in &m.outputs {
-        let whole = part_path(&dir, m.epoch, &o.name).with_extension("");
+        let part = part_path(&dir, m.epoch, &o.name);
+        let whole = fetch_object(&part, &object, expect, &ask, &mut |done, _| {
+            progress(before + done, total)
+        })
+        .await?;
+        before += o.cipher_size;
+        let check = Check {
+            name: o.name.clone(),
+            digest: o.digest,
+            size: Some(o.size_bytes),
+            max: o.size_bytes,
+            content_rules: true,
+        };
         let out = dir.join(&o.name);
-        let identity = identity.clone();
-        let o2 = o.clone();
-        let whole2 = whole.clone();
-        let out2 = out.clone();
-        let checked =
-            tokio::task::spawn_blocking(move || open_and_check(&whole2, &out2, &o2, &identity))
-                .await
-                .map_err(|e| FetchError::Transient(e.to_string()))?;
-        if let Err(e) = checked {
-            // The bad file goes: a new attempt fetches afresh.
-            let _ = fs::remove_file(&whole);
-            return Err(e);
-        }
+        open_checked(&whole, &out, check, identity).await?;
         kept.push(NamedDigest {
             name: o.name.clone(),
             digest: o.digest,
@@ -445,15 +633,49 @@ where
     Ok(kept)
 }
 
+/// What a decrypted file must be.
+pub struct Check {
+    /// Its name (for errors, and the content rules).
+    pub name: String,
+    /// Its SHA-256.
+    pub digest: Digest,
+    /// Its size, when pinned.
+    pub size: Option<u64>,
+    /// The most bytes it may have.
+    pub max: u64,
+    /// Whether the rules for delivered outputs apply (no pickle, valid safetensors).
+    pub content_rules: bool,
+}
+
+/// Decrypts a whole age file into `out` and checks it, off the async threads; a file that
+/// fails is removed (a new try fetches afresh).
+pub async fn open_checked(
+    age_file: &Path,
+    out: &Path,
+    check: Check,
+    identity: &DeliveryIdentity,
+) -> Result<(), FetchError> {
+    let (age_file, out, identity) = (age_file.to_path_buf(), out.to_path_buf(), identity.clone());
+    tokio::task::spawn_blocking(move || {
+        let r = open_and_check(&age_file, &out, &check, &identity);
+        if r.is_err() {
+            let _ = fs::remove_file(&age_file);
+        }
+        r
+    })
+    .await
+    .map_err(|e| FetchError::Transient(e.to_string()))?
+}
+
 /// Decrypts an age file into `out` (through a temporary file), checking the plaintext's
-/// digest and size against the manifest, and a tensor file's header.
+/// digest and size, and for outputs the content rules.
 fn open_and_check(
     age_file: &Path,
     out: &Path,
-    o: &OutputDigest,
+    c: &Check,
     identity: &DeliveryIdentity,
 ) -> Result<(), FetchError> {
-    let bad = |why: String| FetchError::Bad(format!("output {:?}: {why}", o.name));
+    let bad = |why: String| FetchError::Bad(format!("{:?}: {why}", c.name));
     let secret = identity.to_age_string();
     let id = age::x25519::Identity::from_str(&secret).map_err(|e| bad(e.to_string()))?;
     let src = File::open(age_file).map_err(|e| bad(e.to_string()))?;
@@ -466,6 +688,9 @@ fn open_and_check(
                 "cannot be decrypted with this node's identity: {e}"
             ))
         })?;
+    if let Some(parent) = out.parent() {
+        fs::create_dir_all(parent).map_err(|e| bad(e.to_string()))?;
+    }
     let tmp = out.with_extension("checking");
     let mut w = File::create(&tmp).map_err(|e| bad(e.to_string()))?;
     let mut hash = Sha256::new();
@@ -480,21 +705,24 @@ fn open_and_check(
                 break;
             }
             size += n as u64;
-            if size > o.size_bytes {
-                return Err(bad(format!("more than its {} bytes", o.size_bytes)));
+            if size > c.max {
+                return Err(bad(format!("more than its {} bytes", c.max)));
             }
             hash.update(&buf[..n]);
             w.write_all(&buf[..n]).map_err(|e| bad(e.to_string()))?;
         }
         let digest = Digest(hash.finalize().into());
-        if size != o.size_bytes || digest != o.digest {
+        if c.size.is_some_and(|s| s != size) || digest != c.digest {
             return Err(bad(format!(
-                "decrypted to {size} bytes with digest {digest}, the manifest says {} bytes with {}",
-                o.size_bytes, o.digest
+                "decrypted to {size} bytes with digest {digest}, pinned {} with {}",
+                c.size.map_or("any size".into(), |s| format!("{s} bytes")),
+                c.digest
             )));
         }
         w.sync_all().map_err(|e| bad(e.to_string()))?;
-        check_content(&o.name, &tmp).map_err(bad)?;
+        if c.content_rules {
+            check_content(&c.name, &tmp).map_err(bad)?;
+        }
         fs::rename(&tmp, out).map_err(|e| bad(e.to_string()))
     })();
     if result.is_err() {

@@ -267,6 +267,8 @@ pub(crate) struct Node {
     fetching: std::collections::HashSet<(cannabis_protocol::Uuid, u32, u32, u64)>,
     /// How far each running fetch is, by (job, task, rank).
     fetch_progress: transfer::Progresses,
+    /// Held while a package is sealed for a worker (one sealing at a time).
+    sealing: Arc<std::sync::Mutex<()>>,
     /// Challenges this node set, by request.
     challenges: HashMap<OutboundRequestId, challenge::Pending>,
     /// The challenge this node is proving (one at a time), and where to answer.
@@ -353,6 +355,7 @@ pub async fn start(
         executor_rx.clone(),
         internal_tx.clone(),
         data_dir.to_path_buf(),
+        keys.delivery.clone(),
     );
     let identity = Identity {
         address,
@@ -413,6 +416,7 @@ pub async fn start(
         transfers: HashMap::new(),
         fetching: Default::default(),
         fetch_progress: Default::default(),
+        sealing: Default::default(),
         challenges: HashMap::new(),
         proving: None,
         answered: challenge::Answered::default(),

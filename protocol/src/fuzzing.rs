@@ -139,6 +139,7 @@ pub fn decode_any(data: &[u8]) {
             if let Some(crate::TransferResponse::Chunk {
                 index,
                 size,
+                root,
                 data,
                 proof,
             }) = plain::<crate::TransferResponse>(bytes)
@@ -148,7 +149,7 @@ pub fn decode_any(data: &[u8]) {
                     tree_size: size.div_ceil(crate::TRANSFER_CHUNK),
                     path: proof,
                 };
-                let _ = p.verify(&data, &crate::Digest([0; 32]));
+                let _ = p.verify(&data, &root);
             }
         }
     }

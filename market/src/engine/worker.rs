@@ -173,6 +173,7 @@ impl Market {
             until: lease.expires_at,
             requester: lease.requester,
             deliver_to: lease.deliver_to,
+            inputs: lease.inputs.clone(),
         }));
     }
 

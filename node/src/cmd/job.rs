@@ -188,6 +188,36 @@ fn results(job: &JobDetail, only: Option<u32>, dir: &Path) -> anyhow::Result<Vec
     Ok(written)
 }
 
+/// Every bundle and staged input the workers will fetch must be in the node's package
+/// store (a file given by path was copied there; one pinned by digest must be put there).
+fn check_packages_kept(
+    template: &cannabis_market::OfferTemplate,
+    data_dir: &Path,
+) -> anyhow::Result<()> {
+    for (i, t) in template.tasks.iter().enumerate() {
+        let mut needed = Vec::new();
+        if t.workload.adapter == cannabis_protocol::AdapterKind::Process {
+            needed.push(("workload.digest".to_string(), t.workload.digest));
+        }
+        for input in &t.inputs {
+            if let cannabis_protocol::TaskInput::Staged(r) = input {
+                needed.push((format!("input {:?}", r.name), r.digest));
+            }
+        }
+        for (what, digest) in needed {
+            let path = cannabis_node::delivery::package_path(data_dir, &digest);
+            if !path.exists() {
+                anyhow::bail!(
+                    "task[{i}] {what}: this node holds no copy of {digest} for workers to fetch: \
+                     give a path (bundle = \"...\" or path = \"...\"), or put the file at {}",
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// SHA-256 and size of a local file, streamed.
 pub(super) fn hash_file(path: &Path) -> anyhow::Result<(Digest, u64)> {
     let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
@@ -207,11 +237,23 @@ fn submit(
     let text = std::fs::read_to_string(file)
         .with_context(|| format!("reading the job file {}", file.display()))?;
     let spec = JobSpec::parse(&text).with_context(|| format!("in {}", file.display()))?;
-    // Local paths are relative to the job file.
+    // Local paths are relative to the job file. A job that is published keeps a copy of
+    // each in the node's package store, where workers fetch them from.
     let base = file.parent().unwrap_or(Path::new("."));
     let template = spec
-        .resolve(|p| hash_file(&base.join(p)))
+        .resolve(|p| {
+            if dry_run {
+                hash_file(&base.join(p))
+            } else {
+                cannabis_node::delivery::keep_package(data_dir, &base.join(p))
+                    .map_err(anyhow::Error::msg)
+            }
+        })
         .map_err(|(field, e)| e.context(format!("{}: {field}", file.display())))?;
+    if !dry_run {
+        check_packages_kept(&template, data_dir)
+            .with_context(|| format!("in {}", file.display()))?;
+    }
     let quote = Quote::for_budget(spec.budget, FOUNDER_FEE_BPS)?;
     let client = ApiClient::from_data_dir(data_dir)?;
     let explained = client.explain(&template)?;

@@ -4,27 +4,63 @@
 use cannabis_market::RunOrder;
 use std::path::PathBuf;
 
-use cannabis_protocol::{AdapterKind, Address, DeliveryRecipient, ResourceUsage, RunStage};
+use cannabis_protocol::{
+    AdapterKind, Address, DeliveryIdentity, DeliveryRecipient, ObjectKind, ObjectRef,
+    ResourceUsage, RunStage, TaskInput, TaskSpec, TransferRequest,
+};
 use cannabis_runtime::exec::{Attempt, AttemptRequest, AttemptState, ExecError, Renewal};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::Command;
 use super::handle::ExecutorSlot;
+use crate::delivery::{Check, Expect, FetchError, fetch_object, open_checked};
 use crate::exec::ExecutorHandle;
 
+/// What a leased attempt's packages became on this node: the bundle and inputs, fetched
+/// from the requester, decrypted and checked, in the attempt's staging folder.
+#[derive(Default)]
+struct Staged {
+    bundle: Option<PathBuf>,
+    inputs: Vec<(String, PathBuf)>,
+}
+
+/// The staging folder of a leased attempt (plaintext packages; removed when it is over).
+fn staging_dir(data_dir: &std::path::Path, request_id: &str) -> PathBuf {
+    data_dir.join("staging").join(request_id.replace('/', "-"))
+}
+
+/// Whether a task needs packages from its requester before it can run.
+fn needs_packages(task: &TaskSpec) -> bool {
+    task.workload.adapter == AdapterKind::Process || !task.inputs.is_empty()
+}
+
 /// Starts the task that carries out run orders; orders sent before the executor opened
-/// wait for it. The task ends when the sender is dropped (the node waits for it: it holds
-/// the executor, and the executor the store).
+/// wait for it. A start whose task needs packages first fetches them (off the order loop,
+/// so renewals and stops of other leases go on); a stop that comes meanwhile wins. The
+/// task ends when the sender is dropped (the node waits for it: it holds the executor,
+/// and the executor the store).
 pub(super) fn spawn(
     slot: ExecutorSlot,
     node: mpsc::Sender<Command>,
     data_dir: PathBuf,
+    identity: DeliveryIdentity,
 ) -> (mpsc::UnboundedSender<RunOrder>, tokio::task::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<RunOrder>();
+    let (staged_tx, mut staged_rx) =
+        mpsc::unbounded_channel::<(RunOrder, Result<Staged, String>)>();
     let task = tokio::spawn(async move {
         let mut watching = tokio::task::JoinSet::new();
-        while let Some(order) = rx.recv().await {
+        let mut fetching = std::collections::HashSet::<String>::new();
+        let mut stopped = std::collections::HashSet::<String>::new();
+        loop {
+            let (mut order, staged) = tokio::select! {
+                o = rx.recv() => match o {
+                    Some(o) => (o, None),
+                    None => break,
+                },
+                Some((o, s)) = staged_rx.recv() => (o, Some(s)),
+            };
             let mut slot = slot.clone();
             let Ok(opened) = slot.wait_for(Option::is_some).await.map(|o| o.clone()) else {
                 return;
@@ -37,6 +73,68 @@ pub(super) fn spawn(
                 }
                 None => continue,
             };
+            let mut packages = None;
+            match (&mut order, staged) {
+                (RunOrder::Start { request_id, .. }, Some(staged)) => {
+                    fetching.remove(request_id.as_str());
+                    if stopped.contains(request_id.as_str()) {
+                        let _ = std::fs::remove_dir_all(staging_dir(&data_dir, request_id));
+                        continue;
+                    }
+                    match staged {
+                        Ok(s) => packages = Some(s),
+                        Err(why) => {
+                            warn!(%request_id, reason = %why, "leased work not run: its packages");
+                            let _ = std::fs::remove_dir_all(staging_dir(&data_dir, request_id));
+                            let _ = node
+                                .send(Command::Ran {
+                                    request_id: request_id.clone(),
+                                    stage: RunStage::Refused,
+                                    detail: why,
+                                })
+                                .await;
+                            continue;
+                        }
+                    }
+                }
+                (
+                    RunOrder::Start {
+                        request_id,
+                        task: Some(task),
+                        ..
+                    },
+                    None,
+                ) if needs_packages(task) => {
+                    let (ex2, id) = (ex.clone(), request_id.clone());
+                    let known = tokio::task::spawn_blocking(move || attempt_for(&ex2, &id))
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                        .flatten()
+                        .is_some();
+                    if !known {
+                        // Fetched first; the start comes back with them.
+                        if fetching.insert(request_id.clone()) {
+                            let fetch = PackageFetch {
+                                data_dir: data_dir.clone(),
+                                identity: identity.clone(),
+                                node: node.clone(),
+                            };
+                            let back = staged_tx.clone();
+                            let order = order.clone();
+                            tokio::spawn(async move {
+                                let staged = fetch.run(&order).await;
+                                let _ = back.send((order, staged));
+                            });
+                        }
+                        continue;
+                    }
+                }
+                (RunOrder::Stop { request_id, .. }, _) => {
+                    stopped.insert(request_id.clone());
+                }
+                _ => {}
+            }
             let start = match &order {
                 RunOrder::Start {
                     request_id,
@@ -53,17 +151,17 @@ pub(super) fn spawn(
                 }),
                 _ => None,
             };
-            let stopped = match &order {
+            let ended = match &order {
                 RunOrder::Stop { request_id, .. } => Some(request_id.clone()),
                 _ => None,
             };
             let runs = ex.clone();
-            let done = tokio::task::spawn_blocking(move || carry_out(&runs, order)).await;
+            let done = tokio::task::spawn_blocking(move || carry_out(&runs, order, packages)).await;
             if let Err(e) = done {
                 warn!(error = %e, "a run order failed");
             }
             // The lease ended: what was sealed for it is served no more.
-            if let Some(request_id) = stopped {
+            if let Some(request_id) = ended {
                 crate::delivery::unseal(&data_dir, &request_id);
             }
             // Each attempt's stages go to its requester, from the node's engine.
@@ -74,6 +172,144 @@ pub(super) fn spawn(
         watching.abort_all();
     });
     (tx, task)
+}
+
+/// How long a worker keeps trying a requester it cannot reach for a package.
+const PACKAGE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Fetches a lease's bundle and inputs from its requester.
+struct PackageFetch {
+    data_dir: PathBuf,
+    identity: DeliveryIdentity,
+    node: mpsc::Sender<Command>,
+}
+
+impl PackageFetch {
+    async fn run(&self, order: &RunOrder) -> Result<Staged, String> {
+        let RunOrder::Start {
+            request_id,
+            key,
+            epoch,
+            task: Some(task),
+            requester,
+            inputs: pins,
+            ..
+        } = order
+        else {
+            return Err("not a start".into());
+        };
+        let peer = crate::swarm::peer_of(requester).ok_or("the requester has no peer id")?;
+        let dir = staging_dir(&self.data_dir, request_id);
+        let ask = |request: TransferRequest| {
+            let node = self.node.clone();
+            async move {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                node.send(Command::Transfer {
+                    peer,
+                    request,
+                    reply,
+                })
+                .await
+                .map_err(|_| "the node is stopping".to_string())?;
+                answer
+                    .await
+                    .map_err(|_| "the node is stopping".to_string())?
+            }
+        };
+        let object = |kind, name: &str| ObjectRef {
+            job_id: key.0,
+            task: key.1,
+            rank: key.2,
+            epoch: *epoch,
+            kind,
+            name: name.to_string(),
+        };
+        let storage = task.resources.storage_bytes;
+        let mut wanted = Vec::new();
+        if task.workload.adapter == AdapterKind::Process {
+            wanted.push((
+                object(ObjectKind::Bundle, "bundle"),
+                Check {
+                    name: "bundle".into(),
+                    digest: task.workload.digest,
+                    size: None,
+                    max: storage,
+                    content_rules: false,
+                },
+                dir.join("bundle.tar"),
+            ));
+        }
+        for input in &task.inputs {
+            let (name, digest, size) = match input {
+                TaskInput::Staged(r) => (r.name.clone(), r.digest, Some(r.size_bytes)),
+                TaskInput::FromTask { name, .. } => {
+                    let pin = pins
+                        .iter()
+                        .find(|p| p.name == *name)
+                        .ok_or_else(|| format!("the award pins no digest for input {name:?}"))?;
+                    (name.clone(), pin.digest, None)
+                }
+            };
+            wanted.push((
+                object(ObjectKind::Input, &name),
+                Check {
+                    name: name.clone(),
+                    digest,
+                    size,
+                    max: size.unwrap_or(storage),
+                    content_rules: false,
+                },
+                dir.join("inputs").join(&name),
+            ));
+        }
+        let mut staged = Staged::default();
+        for (object, check, out) in wanted {
+            let part = dir.join(".fetch").join(format!(
+                "{}-{}.age.part",
+                if object.kind == ObjectKind::Bundle {
+                    "bundle"
+                } else {
+                    "input"
+                },
+                object.name
+            ));
+            let expect = Expect {
+                known: None,
+                max_plain: check.max,
+            };
+            let began = tokio::time::Instant::now();
+            let mut pause = std::time::Duration::from_millis(250);
+            let whole = loop {
+                match fetch_object(&part, &object, expect, &ask, &mut |_, _| {}).await {
+                    Ok(w) => break w,
+                    Err(FetchError::Bad(why)) => return Err(format!("fetching {why}")),
+                    Err(FetchError::Transient(why)) if began.elapsed() >= PACKAGE_PATIENCE => {
+                        return Err(format!(
+                            "fetching {:?} from the requester for {} s: {why}",
+                            object.name,
+                            PACKAGE_PATIENCE.as_secs()
+                        ));
+                    }
+                    Err(FetchError::Transient(_)) => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(std::time::Duration::from_secs(4));
+                    }
+                }
+            };
+            let name = check.name.clone();
+            open_checked(&whole, &out, check, &self.identity)
+                .await
+                .map_err(|e| format!("checking {e}"))?;
+            let _ = std::fs::remove_file(&whole);
+            match object.kind {
+                ObjectKind::Bundle => staged.bundle = Some(out),
+                _ => staged.inputs.push((name, out)),
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir.join(".fetch"));
+        info!(%request_id, inputs = staged.inputs.len(), "packages fetched and checked");
+        Ok(staged)
+    }
 }
 
 /// How often a leased attempt is looked at for a new stage.
@@ -116,6 +352,10 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
             if sent.is_err() {
                 return;
             }
+        }
+        if stage.is_final() {
+            // The packages' plaintext goes with the attempt.
+            let _ = std::fs::remove_dir_all(staging_dir(&d.data_dir, &request_id));
         }
         if stage == RunStage::Completed {
             let ex2 = ex.clone();
@@ -191,7 +431,7 @@ fn attempt_for(ex: &ExecutorHandle, request_id: &str) -> Result<Option<Attempt>,
         .max_by_key(|a| a.history.first().map(|h| h.0)))
 }
 
-fn carry_out(ex: &ExecutorHandle, order: RunOrder) {
+fn carry_out(ex: &ExecutorHandle, order: RunOrder, packages: Option<Staged>) {
     let result = match &order {
         RunOrder::Start {
             request_id,
@@ -218,8 +458,8 @@ fn carry_out(ex: &ExecutorHandle, order: RunOrder) {
                     let request = AttemptRequest {
                         request_id: request_id.clone(),
                         task: (**task).clone(),
-                        bundle: None,
-                        inputs: Vec::new(),
+                        bundle: packages.as_ref().and_then(|p| p.bundle.clone()),
+                        inputs: packages.map(|p| p.inputs).unwrap_or_default(),
                         seed: synthetic.then_some(*seed),
                         lease_until_ms: until.0,
                         renewal: Renewal::External,

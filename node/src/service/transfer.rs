@@ -6,7 +6,10 @@
 use std::time::Duration;
 
 use cannabis_market::Command as MarketCommand;
-use cannabis_protocol::{DeliveryManifest, Signed, TransferRequest, TransferResponse};
+use cannabis_market::job::LeaseState;
+use cannabis_protocol::{
+    DeliveryManifest, ObjectKind, ObjectRef, Signed, TaskInput, TransferRequest, TransferResponse,
+};
 use libp2p::PeerId;
 use libp2p::request_response::{Event, Message, ResponseChannel};
 use tokio::sync::oneshot;
@@ -88,17 +91,112 @@ impl Node {
             Some(_) => return self.answer_transfer(channel, refuse("graylisted")),
             None => return self.answer_transfer(channel, refuse("no market identity")),
         };
+        let package = match request.object.kind {
+            ObjectKind::Output => None,
+            ObjectKind::Bundle | ObjectKind::Input => {
+                match self.package_for(&from, &request.object) {
+                    Ok(p) => Some(p),
+                    Err(why) => return self.answer_transfer(channel, refuse(&why)),
+                }
+            }
+        };
         let data_dir = self.data_dir.clone();
         let tell = self.self_tx.clone();
+        let lock = self.sealing.clone();
         tokio::spawn(async move {
-            let response =
-                tokio::task::spawn_blocking(move || delivery::serve(&data_dir, &from, &request))
-                    .await
-                    .unwrap_or_else(|e| TransferResponse::Refused {
-                        reason: e.to_string(),
-                    });
+            let response = tokio::task::spawn_blocking(move || match package {
+                None => delivery::serve(&data_dir, &from, &request),
+                Some(p) => delivery::serve_package(&data_dir, &p, &request, &lock),
+            })
+            .await
+            .unwrap_or_else(|e| TransferResponse::Refused {
+                reason: e.to_string(),
+            });
             let _ = tell.send(Command::TransferServed(channel, response)).await;
         });
+    }
+
+    /// A package of one of this node's jobs, for the worker a rank is awarded to at that
+    /// epoch (and only for it): where its plaintext is, its pin, and the worker's key.
+    fn package_for(
+        &self,
+        from: &cannabis_protocol::Address,
+        o: &ObjectRef,
+    ) -> Result<delivery::PackageServe, String> {
+        let job = self
+            .market
+            .job(&o.job_id)
+            .ok_or_else(|| format!("this node published no job {}", o.job_id))?;
+        let spec = job
+            .offer()
+            .tasks
+            .get(o.task as usize)
+            .ok_or_else(|| format!("job {} has no task {}", o.job_id, o.task))?;
+        let holder = job.tasks()[o.task as usize]
+            .ranks()
+            .iter()
+            .find(|a| a.rank == o.rank)
+            .filter(|a| {
+                a.worker == *from
+                    && a.epoch == o.epoch
+                    && matches!(a.state, LeaseState::Offered | LeaseState::Current)
+            });
+        if holder.is_none() {
+            return Err(format!(
+                "you hold no lease on task {} rank {} at epoch {}",
+                o.task, o.rank, o.epoch
+            ));
+        }
+        let (source, digest) = match o.kind {
+            ObjectKind::Bundle if o.name == "bundle" => (
+                delivery::package_path(&self.data_dir, &spec.workload.digest),
+                spec.workload.digest,
+            ),
+            ObjectKind::Input => {
+                let input = spec
+                    .inputs
+                    .iter()
+                    .find(|i| match i {
+                        TaskInput::Staged(r) => r.name == o.name,
+                        TaskInput::FromTask { name, .. } => *name == o.name,
+                    })
+                    .ok_or_else(|| format!("task {} has no input {:?}", o.task, o.name))?;
+                match input {
+                    TaskInput::Staged(r) => {
+                        (delivery::package_path(&self.data_dir, &r.digest), r.digest)
+                    }
+                    TaskInput::FromTask { task, output, .. } => {
+                        let digest = job
+                            .tasks()
+                            .get(*task as usize)
+                            .and_then(|t| t.outputs().get(output).copied())
+                            .ok_or_else(|| format!("task {task} has not delivered {output:?}"))?;
+                        let path =
+                            delivery::rank_dir(&self.data_dir, &o.job_id, *task, 0).join(output);
+                        (path, digest)
+                    }
+                }
+            }
+            _ => return Err("no such package".into()),
+        };
+        if !source.exists() {
+            return Err(format!(
+                "this node holds no copy of {:?} (digest {digest})",
+                o.name
+            ));
+        }
+        let to = self
+            .market
+            .view()
+            .ad(from)
+            .map(|e| e.ad().delivery)
+            .ok_or("this node holds no ad of yours: publish one first")?;
+        Ok(delivery::PackageServe {
+            request_id: cannabis_market::RunOrder::request_id(&(o.job_id, o.task, o.rank), o.epoch),
+            source,
+            digest,
+            to,
+        })
     }
 
     pub(super) fn answer_transfer(
@@ -207,6 +305,11 @@ impl Node {
         result: Result<Vec<cannabis_protocol::NamedDigest>, String>,
     ) {
         self.fetching.remove(&(m.job_id, m.task, m.rank, m.epoch));
+        // The packages sealed for that worker at that epoch are not needed any more.
+        delivery::unseal_packages(
+            &self.data_dir,
+            &cannabis_market::RunOrder::request_id(&(m.job_id, m.task, m.rank), m.epoch),
+        );
         if let Ok(mut p) = self.fetch_progress.lock() {
             p.remove(&(m.job_id, m.task, m.rank));
         }

@@ -2,6 +2,7 @@
 
 mod ads;
 mod cli;
+mod delivery;
 mod disk;
 mod exec;
 mod exec_restart;

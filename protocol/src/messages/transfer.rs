@@ -22,6 +22,12 @@ pub enum ObjectKind {
     /// A declared output of a delivered rank, as its age file; served by the worker to
     /// the requester.
     Output,
+    /// The task's program bundle, as an age file to the worker; served by the requester
+    /// to the worker the rank is awarded to at that epoch.
+    Bundle,
+    /// An input of the task (staged, or an earlier task's output), by its file name, as
+    /// an age file to the worker; served like the bundle.
+    Input,
 }
 
 /// One object of one lease.
@@ -38,7 +44,7 @@ pub struct ObjectRef {
     pub epoch: u64,
     /// What it is.
     pub kind: ObjectKind,
-    /// Its name (the output's declared name).
+    /// Its name: the output's or input's file name (`bundle` for the bundle).
     pub name: String,
 }
 
@@ -64,6 +70,9 @@ pub enum TransferResponse {
         index: u64,
         /// The object's size in bytes.
         size: u64,
+        /// The object's Merkle root over its chunks (an output's must be the
+        /// `cipher_root` its manifest signed).
+        root: Digest,
         /// The bytes: [`TRANSFER_CHUNK`] of them, fewer for the last chunk.
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
@@ -81,5 +90,5 @@ wire!(TransferRequest, "transfer request", 1024);
 wire!(
     TransferResponse,
     "transfer response",
-    TRANSFER_CHUNK as usize + 64 * 34 + 256
+    TRANSFER_CHUNK as usize + 64 * 34 + 512
 );
