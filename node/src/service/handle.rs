@@ -161,6 +161,21 @@ impl NodeHandle {
         .await?
     }
 
+    /// Asks a peer for one chunk on the transfer protocol and waits for the answer.
+    pub async fn transfer(
+        &self,
+        peer: PeerId,
+        request: cannabis_protocol::TransferRequest,
+    ) -> anyhow::Result<cannabis_protocol::TransferResponse> {
+        self.ask(|reply| Command::Transfer {
+            peer,
+            request,
+            reply,
+        })
+        .await?
+        .map_err(anyhow::Error::msg)
+    }
+
     /// Sets `peer` the capability challenge, sized from its ad, and checks the answer.
     pub async fn challenge(&self, peer: PeerId) -> anyhow::Result<api::ChallengeReport> {
         self.ask(|tx| Command::Challenge(peer, tx)).await?

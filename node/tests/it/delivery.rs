@@ -287,3 +287,284 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("holds no copy"), "{err}");
 }
+
+mod transfer {
+    //! The transfer path on real files and real age encryption, with the faults a network
+    //! causes (a connection cut, a corrupted chunk) injected where the chunks travel.
+
+    use std::path::{Path, PathBuf};
+    use std::sync::{Arc, Mutex};
+
+    use cannabis_node::delivery::{
+        Check, Expect, FetchError, PackageServe, fetch_object, open_checked, seal_bytes_to,
+        serve_package,
+    };
+    use cannabis_protocol::{
+        DeliveryIdentity, Digest, ObjectKind, ObjectRef, TRANSFER_CHUNK, TransferRequest,
+        TransferResponse, Uuid,
+    };
+
+    /// Deterministic bytes that do not compress.
+    fn bytes(n: usize) -> Vec<u8> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    fn object() -> ObjectRef {
+        ObjectRef {
+            job_id: Uuid([7; 16]),
+            task: 0,
+            rank: 0,
+            epoch: 1,
+            kind: ObjectKind::Bundle,
+            name: "bundle".into(),
+        }
+    }
+
+    /// A requester's package store holding `data`, served to `to`'s recipient.
+    fn package(dir: &Path, data: &[u8], to: &DeliveryIdentity) -> PackageServe {
+        let source = dir.join("package");
+        std::fs::write(&source, data).unwrap();
+        PackageServe {
+            request_id: "lease/x/0/0/1".into(),
+            source,
+            digest: Digest::of(data),
+            to: to.recipient(),
+        }
+    }
+
+    /// What the fetcher asked, and which faults to cause.
+    #[derive(Default)]
+    struct Wire {
+        asked: Vec<u64>,
+        cut_at_request: Vec<usize>,
+        corrupt_once: Vec<u64>,
+    }
+
+    #[tokio::test]
+    async fn a_64_mib_package_cut_twice_resumes_from_the_right_chunks_and_arrives_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let worker = DeliveryIdentity::from_secret([3; 32]);
+        let data = bytes(64 << 20);
+        let p = package(dir.path(), &data, &worker);
+        let served = dir.path().join("served");
+        let lock = std::sync::Mutex::new(());
+        let wire = Arc::new(Mutex::new(Wire {
+            cut_at_request: vec![40, 170],
+            corrupt_once: vec![100],
+            ..Wire::default()
+        }));
+        let ask = |req: TransferRequest| {
+            let wire = wire.clone();
+            let response = serve_package(&served, &p, &req, &lock);
+            async move {
+                let mut w = wire.lock().unwrap();
+                w.asked.push(req.index);
+                let n = w.asked.len();
+                if w.cut_at_request.contains(&n) {
+                    return Err("connection closed".to_string());
+                }
+                let mut response = response;
+                if let Some(at) = w.corrupt_once.iter().position(|&i| i == req.index) {
+                    w.corrupt_once.remove(at);
+                    if let TransferResponse::Chunk { data, .. } = &mut response {
+                        data[1000] ^= 0xff;
+                    }
+                }
+                Ok(response)
+            }
+        };
+        let part = dir.path().join("fetch").join("bundle.age.part");
+        let expect = Expect {
+            known: None,
+            max_plain: 65 << 20,
+        };
+        // Each try: the whole chunks kept when it began, and the first chunk it asked for.
+        let mut tries = Vec::new();
+        let whole = loop {
+            let kept = std::fs::metadata(&part).map_or(0, |m| m.len()) / TRANSFER_CHUNK;
+            let asked_before = wire.lock().unwrap().asked.len();
+            let result = fetch_object(&part, &object(), expect, &ask, &mut |_, _| {}).await;
+            tries.push((kept, wire.lock().unwrap().asked[asked_before]));
+            match result {
+                Ok(w) => break w,
+                Err(FetchError::Transient(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+            assert!(tries.len() < 5, "no progress");
+        };
+        // Two cuts, three tries; each resumed try started at the first chunk not kept,
+        // and kept what came before the cut.
+        assert_eq!(tries.len(), 3, "{tries:?}");
+        assert_eq!(tries[0], (0, 0));
+        for &(kept, first) in &tries[1..] {
+            assert!(kept > 0, "{tries:?}");
+            assert_eq!(kept, first, "{tries:?}");
+        }
+        assert!(tries[2].0 > tries[1].0, "{tries:?}");
+        let asked = wire.lock().unwrap().asked.clone();
+        let chunks = (std::fs::metadata(&whole).unwrap().len()).div_ceil(TRANSFER_CHUNK);
+        // Every chunk was asked for; at most the window (4) twice per cut, and the
+        // corrupted one again.
+        assert!(
+            asked.len() as u64 <= chunks + 2 * 4 + 4 + 1,
+            "{} requests for {chunks} chunks",
+            asked.len()
+        );
+        assert!(asked.iter().filter(|&&i| i == 100).count() >= 2);
+        let out = dir.path().join("bundle.tar");
+        let check = Check {
+            name: "bundle".into(),
+            digest: Digest::of(&data),
+            size: Some(data.len() as u64),
+            max: data.len() as u64,
+            content_rules: false,
+        };
+        open_checked(&whole, &out, check, &worker).await.unwrap();
+        assert_eq!(Digest::of(&std::fs::read(&out).unwrap()), Digest::of(&data));
+    }
+
+    fn sealed(dir: &Path, data: &[u8], to: &DeliveryIdentity) -> PathBuf {
+        let path = dir.join("x.age");
+        let mut f = std::fs::File::create(&path).unwrap();
+        seal_bytes_to(data, &to.recipient(), &mut f).unwrap();
+        path
+    }
+
+    async fn open(path: &Path, digest: Digest, id: &DeliveryIdentity) -> Result<(), String> {
+        let check = Check {
+            name: "x".into(),
+            digest,
+            size: None,
+            max: 1 << 20,
+            content_rules: true,
+        };
+        open_checked(path, &path.with_extension("out"), check, id)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    #[tokio::test]
+    async fn tampered_ciphertext_the_wrong_recipient_and_a_digest_mismatch_are_each_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = DeliveryIdentity::from_secret([1; 32]);
+        let other = DeliveryIdentity::from_secret([2; 32]);
+        let data = bytes(200_000);
+        let good = Digest::of(&data);
+
+        let p = sealed(dir.path(), &data, &other);
+        let e = open(&p, good, &me).await.unwrap_err();
+        assert!(
+            e.contains("cannot be decrypted with this node's identity"),
+            "{e}"
+        );
+
+        let p = sealed(dir.path(), &data, &me);
+        let mut bytes_on_disk = std::fs::read(&p).unwrap();
+        let mid = bytes_on_disk.len() / 2;
+        bytes_on_disk[mid] ^= 1;
+        std::fs::write(&p, &bytes_on_disk).unwrap();
+        let e = open(&p, good, &me).await.unwrap_err();
+        assert!(e.contains("tampered or truncated"), "{e}");
+
+        let p = sealed(dir.path(), &data, &me);
+        let len = std::fs::metadata(&p).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(len - 100)
+            .unwrap();
+        let e = open(&p, good, &me).await.unwrap_err();
+        assert!(e.contains("tampered or truncated"), "{e}");
+
+        let p = sealed(dir.path(), &data, &me);
+        let e = open(&p, Digest::of(b"other"), &me).await.unwrap_err();
+        assert!(e.contains("pinned"), "{e}");
+        // A refusal leaves nothing behind: no output, no checking file.
+        assert!(!p.with_extension("out").exists());
+        assert!(!p.with_extension("checking").exists());
+
+        let p = sealed(dir.path(), &data, &me);
+        open(&p, good, &me).await.unwrap();
+        assert_eq!(std::fs::read(p.with_extension("out")).unwrap(), data);
+    }
+
+    #[tokio::test]
+    async fn an_oversize_package_is_refused_before_its_chunks_are_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let worker = DeliveryIdentity::from_secret([3; 32]);
+        let data = bytes(3 << 20);
+        let p = package(dir.path(), &data, &worker);
+        let served = dir.path().join("served");
+        let lock = std::sync::Mutex::new(());
+        let asked = Mutex::new(0);
+        let ask = |req: TransferRequest| {
+            *asked.lock().unwrap() += 1;
+            let r = serve_package(&served, &p, &req, &lock);
+            async move { Ok(r) }
+        };
+        let part = dir.path().join("f").join("bundle.age.part");
+        let expect = Expect {
+            known: None,
+            max_plain: 1 << 20,
+        };
+        let e = fetch_object(&part, &object(), expect, &ask, &mut |_, _| {})
+            .await
+            .unwrap_err();
+        assert!(matches!(e, FetchError::Bad(_)), "{e}");
+        assert!(e.to_string().contains("over what"), "{e}");
+        assert_eq!(*asked.lock().unwrap(), 1);
+    }
+
+    /// Debian's `age` decrypts what the node encrypts, and the other way round.
+    #[tokio::test]
+    async fn the_age_tool_and_the_node_read_each_others_files() {
+        if std::process::Command::new("age")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: the age command is not installed (apt-get install age)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let id = DeliveryIdentity::from_secret([9; 32]);
+        let id_file = dir.path().join("key.txt");
+        std::fs::write(&id_file, format!("{}\n", &*id.to_age_string())).unwrap();
+        let data = bytes(300_000);
+
+        let ours = sealed(dir.path(), &data, &id);
+        let o = std::process::Command::new("age")
+            .arg("-d")
+            .arg("-i")
+            .arg(&id_file)
+            .arg(&ours)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.stdout, data);
+
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, &data).unwrap();
+        let theirs = dir.path().join("theirs.age");
+        let o = std::process::Command::new("age")
+            .arg("-r")
+            .arg(id.recipient().to_string())
+            .arg("-o")
+            .arg(&theirs)
+            .arg(&plain)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        open(&theirs, Digest::of(&data), &id).await.unwrap();
+        assert_eq!(std::fs::read(theirs.with_extension("out")).unwrap(), data);
+    }
+}

@@ -360,3 +360,81 @@ storage = "16MiB"
         "{a:#?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leaseholder_fetches_packages_and_only_the_requester_fetches_outputs() {
+    use cannabis_protocol::{ObjectKind, ObjectRef, TransferRequest, TransferResponse};
+    let dir = tempfile::tempdir().unwrap();
+    let requester = net::start(&dir.path().join("r"), None).await;
+    let a = net::start(&dir.path().join("a"), Some(&requester.addr)).await;
+    let b = net::start(&dir.path().join("b"), Some(&requester.addr)).await;
+    net::wait_converged(&[&requester, &a, &b], 3).await;
+    let quick = requester
+        .handle
+        .submit_job(template(&job_file("quick", 1, "")))
+        .await
+        .unwrap();
+    let job = wait_state(&requester, &quick.job_id, "the rank to deliver", |j| {
+        !j.tasks[0].delivered.is_empty()
+    })
+    .await;
+    let worker_address = job.tasks[0].ranks[0].worker.to_string();
+    let peer = |n: &TestNode| {
+        let h = n.handle.clone();
+        async move {
+            let s = h.status().await.unwrap();
+            (s.address, s.peer_id.parse::<libp2p::PeerId>().unwrap())
+        }
+    };
+    let (_, requester_peer) = peer(&requester).await;
+    let (a_address, a_peer) = peer(&a).await;
+    let (_, b_peer) = peer(&b).await;
+    let (worker, stranger) = if a_address == worker_address {
+        ((&a, a_peer), (&b, b_peer))
+    } else {
+        ((&b, b_peer), (&a, a_peer))
+    };
+    let object = |kind, name: &str, epoch| TransferRequest {
+        object: ObjectRef {
+            job_id: quick.job_id.parse().unwrap(),
+            task: 0,
+            rank: 0,
+            epoch,
+            kind,
+            name: name.into(),
+        },
+        index: 0,
+    };
+    let refused = |r: TransferResponse| match r {
+        TransferResponse::Refused { reason } => reason,
+        other => panic!("served: {other:?}"),
+    };
+    // A node without the lease gets none of the task's packages.
+    let r = stranger
+        .0
+        .handle
+        .transfer(requester_peer, object(ObjectKind::Bundle, "bundle", 1))
+        .await
+        .unwrap();
+    assert!(refused(r).contains("hold no lease"));
+    // Nor does the leaseholder for another epoch.
+    let r = worker
+        .0
+        .handle
+        .transfer(requester_peer, object(ObjectKind::Input, "x", 2))
+        .await
+        .unwrap();
+    assert!(refused(r).contains("hold no lease"));
+    // Outputs go to the requester only: another node asking the worker is refused.
+    let r = stranger
+        .0
+        .handle
+        .transfer(worker.1, object(ObjectKind::Output, "result.json", 1))
+        .await
+        .unwrap();
+    let why = refused(r);
+    assert!(
+        why.contains("only the requester") || why.contains("no delivery"),
+        "{why}"
+    );
+}
