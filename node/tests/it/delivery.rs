@@ -288,6 +288,219 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
     assert!(err.contains("holds no copy"), "{err}");
 }
 
+/// A node process started again from the command line it had.
+struct Restarted(std::process::Child);
+
+impl Drop for Restarted {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_job(
+    dir: &Path,
+    id: &str,
+    what: &str,
+    secs: u64,
+    done: impl Fn(&JobDetail) -> bool,
+) -> JobDetail {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let j = job(dir, id);
+        if done(&j) {
+            return j;
+        }
+        assert!(Instant::now() < deadline, "{what}: {:#?}", j.history);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn a_worker_killed_mid_run_is_replaced_and_after_a_restart_neither_runs_nor_delivers_its_stale_epoch()
+ {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: requesters' programs run only where the executor is root");
+        return;
+    }
+    let dir = super::exec::open_dir();
+    let net = Testnet::up(&dir.path().join("net"), 3);
+    let nodes = net.nodes();
+    let requester = &nodes[0];
+    let work = dir.path().join("job");
+    std::fs::create_dir_all(&work).unwrap();
+    tar(
+        &work,
+        &[(
+            "slow.sh",
+            "sleep 12\necho done > \"$CANNABIS_WORK/out.txt\"\n",
+        )],
+    );
+    std::fs::write(
+        work.join("job.toml"),
+        r#"
+name = "slow"
+budget = 300_000
+deadline = "10m"
+bid_window = "2s"
+[[task]]
+name = "slow"
+[task.workload]
+adapter = "process"
+bundle = "bundle.tar"
+entrypoint = ["sh", "slow.sh"]
+[task.resources]
+cpu = 1
+memory = "128MiB"
+storage = "8MiB"
+[[task.outputs]]
+name = "out.txt"
+max_size = "1KiB"
+"#,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ApiClient::from_data_dir(requester)
+        .unwrap()
+        .get::<Vec<cannabis_api::Ad>>("/v1/market/ads")
+        .map_or(0, |a| a.iter().filter(|a| !a.adapters.is_empty()).count())
+        < 3
+    {
+        assert!(Instant::now() < deadline, "the ads did not arrive");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let o = cannabis(
+        requester,
+        &[
+            "job",
+            "submit",
+            work.join("job.toml").to_str().unwrap(),
+            "--yes",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let running = wait_job(requester, &id, "the work to run", 60, |j| {
+        j.tasks[0].ranks.first().is_some_and(|r| {
+            r.progress
+                .as_ref()
+                .is_some_and(|p| p.stage == cannabis_protocol::RunStage::Running)
+        })
+    });
+    let first = running.tasks[0].ranks[0].clone();
+    assert_eq!(first.epoch, 1);
+
+    // SIGKILL the worker in the middle of the run, keeping how it was started.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(net.dir.join("testnet.json")).unwrap())
+            .unwrap();
+    let (worker_dir, pid) = record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                std::path::PathBuf::from(n["data_dir"].as_str().unwrap()),
+                n["pid"].as_u64().unwrap() as i32,
+            )
+        })
+        .find(|(d, _)| {
+            ApiClient::from_data_dir(d)
+                .and_then(|c| c.status())
+                .is_ok_and(|s| s.address == first.worker.to_string())
+        })
+        .expect("the worker is a node of the testnet");
+    let cmdline: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap()
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+
+    // Its lease lapses; the task is placed again, with a new epoch, on another worker.
+    let replaced = wait_job(requester, &id, "the task to be placed again", 150, |j| {
+        j.tasks[0].ranks.first().is_some_and(|r| r.epoch >= 2)
+    });
+    assert_ne!(replaced.tasks[0].ranks[0].worker, first.worker);
+
+    // The killed worker starts again with the same data dir.
+    let restarted = Restarted(
+        Command::new(&cmdline[0])
+            .args(&cmdline[1..])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let done = wait_job(requester, &id, "the job to complete", 120, |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+    });
+    assert_eq!(
+        done.summary.state,
+        cannabis_market::job::JobState::Completed,
+        "{:#?}",
+        done.history
+    );
+    assert!(done.tasks[0].ranks[0].epoch >= 2);
+    // Nothing of epoch 1 was delivered.
+    assert!(
+        !done
+            .history
+            .iter()
+            .any(|e| e.text.contains("(epoch 1) delivered")),
+        "{:#?}",
+        done.history
+    );
+    // The restarted worker ran its stale attempt at most once and has it over.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stale = format!("lease/{id}/0/0/1");
+    loop {
+        let attempts: Option<Vec<serde_json::Value>> = ApiClient::from_data_dir(&worker_dir)
+            .ok()
+            .and_then(|c| c.get("/v1/exec/attempts").ok());
+        if let Some(attempts) = attempts {
+            let mine: Vec<_> = attempts
+                .iter()
+                .filter(|a| a["request"]["request_id"] == stale.as_str())
+                .collect();
+            assert!(mine.len() <= 1, "{mine:#?}");
+            let over = mine.iter().all(|a| {
+                !matches!(
+                    a["state"].as_str(),
+                    Some("running" | "preparing" | "reserved")
+                )
+            });
+            if over {
+                assert!(
+                    !attempts
+                        .iter()
+                        .any(|a| a["request"]["request_id"]
+                            .as_str()
+                            .is_some_and(|r| r.starts_with(&format!("lease/{id}/0/0/"))
+                                && !r.ends_with("/1"))),
+                    "the restarted worker ran another epoch: {attempts:#?}"
+                );
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "the stale attempt did not end");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    drop(restarted);
+}
+
 mod transfer {
     //! The transfer path on real files and real age encryption, with the faults a network
     //! causes (a connection cut, a corrupted chunk) injected where the chunks travel.

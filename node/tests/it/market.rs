@@ -74,7 +74,15 @@ async fn jobs_are_placed_and_leased_across_five_nodes() {
     // A single-worker job: placed on one of the four workers, leased at epoch 1.
     let single = requester
         .handle
-        .submit_job(template(&job_file("single", 1, "")))
+        // Long enough (a 4096 product) to still run when it is cancelled below.
+        .submit_job(template(
+            &job_file("single", 1, "")
+                .replace(
+                    "adapter = \"synthetic\"",
+                    "adapter = \"synthetic\"\nentrypoint = [\"4096\"]",
+                )
+                .replace("memory = \"64MiB\"", "memory = \"512MiB\""),
+        ))
         .await
         .unwrap();
     let job = wait_state(requester, &single.job_id, "the single job to run", |j| {
