@@ -91,6 +91,13 @@ pub struct BenchReport {
     pub job_placed_to_leases_ms: u64,
     /// From publishing the job to every rank holding a countersigned lease, ms.
     pub job_submit_to_leases_ms: u64,
+    /// Single synthetic jobs placed on their first bid, one after another.
+    pub work_jobs: usize,
+    /// From an offer's publication to its worker reporting the run started (or, for a run
+    /// shorter than the worker's 200 ms look, completed) (ms).
+    pub work_submit_to_running_ms: Summary,
+    /// From an offer's publication to its outputs fetched, checked and the task done (ms).
+    pub work_submit_to_delivered_ms: Summary,
     /// The run under attack (`--hostile`).
     pub hostile: Option<HostileReport>,
 }
@@ -107,6 +114,13 @@ fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64, u64)> {
     let group = u32::try_from(net.nodes.len() - 1)?;
     let mut t = bench_offer(0);
     t.name = Some("bench-group".into());
+    // What every node admits (a quarter core is 0 whole cores), so each can take a rank.
+    t.tasks[0].resources = Resources {
+        memory_bytes: 128 << 20,
+        processes: 64,
+        storage_bytes: 16 << 20,
+        ..Resources::default()
+    };
     t.tasks[0].group_size = group;
     t.tasks[0].budget = Amount(1_000_000 * u64::from(group));
     t.ttl_ms = JOB_BID_WINDOW_MS;
@@ -170,6 +184,63 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
     }
 }
 
+/// How many jobs the work phase runs.
+const WORK_JOBS: usize = 20;
+
+/// Runs `WORK_JOBS` single synthetic jobs from node 0, each placed on its first bid, one
+/// after another: publication to running, and to delivered, from the job's own history.
+fn time_work(net: &Testnet) -> anyhow::Result<(Vec<u64>, Vec<u64>)> {
+    let origin = &net.nodes[0].client;
+    let (mut running, mut delivered) = (Vec::new(), Vec::new());
+    for k in 0..WORK_JOBS {
+        let mut t = bench_offer(2_000_000 + k);
+        t.name = Some(format!("bench-work-{k}"));
+        t.tasks[0].resources = Resources {
+            cpu_millicores: 1000,
+            memory_bytes: 256 << 20,
+            swap_bytes: 0,
+            processes: 64,
+            storage_bytes: 16 << 20,
+            gpus: 0,
+        };
+        t.tasks[0].budget = Amount(1_000_000);
+        t.ttl_ms = JOB_BID_WINDOW_MS;
+        t.deadline_ms = 600_000;
+        t.early = Some(cannabis_market::job::Early::FirstBids(1));
+        let job = origin.submit_job(&t)?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let detail = origin.job(&job.job_id)?;
+            let at = |text: &str| {
+                detail
+                    .history
+                    .iter()
+                    .find(|e| e.text.contains(text))
+                    .map(|e| e.at)
+            };
+            // A stage shorter than the worker's look (200 ms) may go unreported: a run
+            // reported completed without "running" started no later than that.
+            let run = at("): running").or_else(|| at("): completed"));
+            if let (Some(start), Some(run), Some(done)) =
+                (at("offer published"), run, at("task done"))
+            {
+                running.push(run.ms_since(start));
+                delivered.push(done.ms_since(start));
+                break;
+            }
+            if let status @ cannabis_market::job::TaskStatus::Failed(_) = &detail.tasks[0].status {
+                anyhow::bail!("benchmark job {k} {status}");
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "benchmark job {k} was not delivered within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok((running, delivered))
+}
+
 /// Runs the benchmark.
 pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     anyhow::ensure!(
@@ -195,6 +266,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let (mut latencies, expected) = propagation(&net, opts, 0)?;
     let seen = latencies.len();
     let (job_group, placed_ms, leases_ms) = time_job(&net)?;
+    let (mut running, mut delivered) = time_work(&net)?;
 
     // Idle: after the work, once the nodes have let go of the connections start-up made
     // beyond the twice-their-aim they keep (a node keeps each connection 30 s, then trims
@@ -229,6 +301,9 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         job_submit_to_placed_ms: placed_ms,
         job_placed_to_leases_ms: leases_ms,
         job_submit_to_leases_ms: placed_ms + leases_ms,
+        work_jobs: running.len(),
+        work_submit_to_running_ms: summarize(&mut running).context("no job ran")?,
+        work_submit_to_delivered_ms: summarize(&mut delivered).context("no job delivered")?,
         nodes: net.nodes.len(),
         offers: opts.offers,
         converge_ms,

@@ -321,6 +321,17 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                     ),
                 ),
                 (
+                    "jobs run and delivered",
+                    format!(
+                        "{} single jobs placed on their first bid: submit to running p50 {} ms p99 {} ms; to delivered p50 {} ms p99 {} ms",
+                        r.work_jobs,
+                        r.work_submit_to_running_ms.p50,
+                        r.work_submit_to_running_ms.p99,
+                        r.work_submit_to_delivered_ms.p50,
+                        r.work_submit_to_delivered_ms.p99
+                    ),
+                ),
+                (
                     "idle memory per node",
                     format!(
                         "RSS mean {:.1} MiB max {:.1} MiB; PSS mean {:.1} MiB max {:.1} MiB; {:.0} connections",

@@ -232,8 +232,10 @@ impl Node {
         let (isolation, mut adapters) = match self.executor.borrow().as_deref() {
             Some(Ok(ex)) => {
                 let limits = ex.limits();
-                let cores = u32::try_from(limits.cpu_millicores.div_ceil(1000)).unwrap_or(u32::MAX);
-                hardware.cpu_cores = hardware.cpu_cores.min(cores.max(1));
+                // Whole cores admission gives: an owner limit of half a core is 0, never
+                // rounded up to a core the executor would then refuse.
+                let cores = u32::try_from(limits.cpu_millicores / 1000).unwrap_or(u32::MAX);
+                hardware.cpu_cores = hardware.cpu_cores.min(cores);
                 hardware.memory_bytes = hardware.memory_bytes.min(limits.memory_bytes);
                 hardware.swap_bytes = hardware.swap_bytes.min(limits.swap_bytes);
                 hardware.storage_bytes = hardware.storage_bytes.min(limits.storage_bytes);

@@ -111,6 +111,13 @@ fn the_ad_offers_only_the_work_the_executor_takes_now() {
         vec![AdapterKind::Process, AdapterKind::Synthetic]
     );
 
+    // An owner limit under a whole core advertises no whole core: a task asking one would
+    // be refused by admission, so the ad must not draw its bids. (It said 1 core.)
+    let d = open_dir();
+    let _node_d = start(d.path(), "[executor]\ncpu = 0.5\n", machine);
+    let ad = own_ad(d.path(), |ad| !ad.adapters.is_empty());
+    assert_eq!(ad.cpu_cores, 0, "{ad:#?}");
+
     // No executor (its ceilings file is broken): no capacity for work at all.
     let c = open_dir();
     let broken = c.path().join("ceilings.toml");

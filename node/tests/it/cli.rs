@@ -750,6 +750,9 @@ fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // Every job of the work phase ran and delivered.
+    assert_eq!(r["work_jobs"], 20, "{r}");
+    assert_eq!(r["work_submit_to_delivered_ms"]["count"], 20, "{r}");
     let h = &r["hostile"];
     assert_eq!(h["receipts_seen"], h["receipts_expected"], "{h}");
     assert_eq!(h["receipts_expected"], 30);
