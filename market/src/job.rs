@@ -1082,6 +1082,7 @@ impl Job {
             return Err(Refusal::NotCurrent);
         }
         let price = a.price;
+        let worker = a.worker;
         let task = &mut self.tasks[task_index as usize];
         let committed = task.committed.checked_sub(price)?;
         let spent = task.spent.checked_add(price)?;
@@ -1096,6 +1097,18 @@ impl Job {
         }
         let done = task.ranks.iter().all(|r| r.state == LeaseState::Done);
         self.log(now, Some(task_index), format!("rank {rank} delivered"));
+        // The worker's lease is released at once: a delivered lease holds none of its
+        // slots until it would have run out.
+        let mut actions = vec![Action::Cancel(Cancel {
+            job_id: self.offer.job_id,
+            task: task_index,
+            rank,
+            requester: self.offer.requester,
+            worker,
+            epoch,
+            reason: Cancel::reason("delivered"),
+            issued_at: now,
+        })];
         if done {
             self.tasks[task_index as usize].status = TaskStatus::Done;
             self.log(now, Some(task_index), "task done".into());
@@ -1114,7 +1127,8 @@ impl Job {
                 }
             }
         }
-        Ok(self.tick(now))
+        actions.extend(self.tick(now));
+        Ok(actions)
     }
 
     /// A rank failed (reported by its worker, or found out by the requester).

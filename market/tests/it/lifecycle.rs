@@ -251,7 +251,10 @@ fn a_job_is_placed_on_the_cheapest_bid_and_leased() {
         );
     }
     w.delivered(t, 0, 0, 1).unwrap();
+    // The delivered lease is released at once: the worker's slot is free again.
+    w.net.settle(t);
     assert!(w.net.queue.is_empty());
+    assert!(!w.is_current(&award.worker, &key, 1, t));
     assert_eq!(w.job().state(), JobState::Completed);
     assert_eq!(w.job().tasks()[0].spent(), award.price);
     assert_eq!(w.job().refund().unwrap().0, 100_000 - award.price.0);
