@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use cannabis_protocol::{
     AdapterKind, Address, DeliveryIdentity, DeliveryRecipient, ObjectKind, ObjectRef,
-    ResourceUsage, RunStage, TaskInput, TaskSpec, TransferRequest,
+    ResourceUsage, RunStage, TaskInput, TaskSpec,
 };
 use cannabis_runtime::exec::{Attempt, AttemptRequest, AttemptState, ExecError, Renewal};
 use tokio::sync::mpsc;
@@ -200,22 +200,7 @@ impl PackageFetch {
         };
         let peer = crate::swarm::peer_of(requester).ok_or("the requester has no peer id")?;
         let dir = staging_dir(&self.data_dir, request_id);
-        let ask = |request: TransferRequest| {
-            let node = self.node.clone();
-            async move {
-                let (reply, answer) = tokio::sync::oneshot::channel();
-                node.send(Command::Transfer {
-                    peer,
-                    request,
-                    reply,
-                })
-                .await
-                .map_err(|_| "the node is stopping".to_string())?;
-                answer
-                    .await
-                    .map_err(|_| "the node is stopping".to_string())?
-            }
-        };
+        let ask = |request| super::transfer::ask_peer(self.node.clone(), peer, request);
         let object = |kind, name: &str| ObjectRef {
             job_id: key.0,
             task: key.1,

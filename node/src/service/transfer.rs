@@ -24,6 +24,24 @@ use cannabis_api as api;
 /// as failed (and is placed again).
 const FETCH_PATIENCE: Duration = Duration::from_secs(120);
 
+/// Asks `peer` for one chunk through the node's driver (what every fetch's transport is).
+pub(super) async fn ask_peer(
+    node: tokio::sync::mpsc::Sender<Command>,
+    peer: PeerId,
+    request: TransferRequest,
+) -> Result<TransferResponse, String> {
+    let stopping = |_| "the node is stopping".to_string();
+    let (reply, answer) = oneshot::channel();
+    node.send(Command::Transfer {
+        peer,
+        request,
+        reply,
+    })
+    .await
+    .map_err(|e: tokio::sync::mpsc::error::SendError<Command>| stopping(e.to_string()))?;
+    answer.await.map_err(|e| stopping(e.to_string()))?
+}
+
 /// Each running fetch's progress, by (job, task, rank).
 pub(crate) type Progresses = std::sync::Arc<
     std::sync::Mutex<std::collections::HashMap<(cannabis_protocol::Uuid, u32, u32), FetchProgress>>,
@@ -250,22 +268,7 @@ impl Node {
             let started = tokio::time::Instant::now();
             let mut pause = Duration::from_millis(500);
             let result = loop {
-                let ask = |request: TransferRequest| {
-                    let tell = tell.clone();
-                    async move {
-                        let (reply, answer) = oneshot::channel();
-                        tell.send(Command::Transfer {
-                            peer,
-                            request,
-                            reply,
-                        })
-                        .await
-                        .map_err(|_| "the node is stopping".to_string())?;
-                        answer
-                            .await
-                            .map_err(|_| "the node is stopping".to_string())?
-                    }
-                };
+                let ask = |request| ask_peer(tell.clone(), peer, request);
                 let k = (m.job_id, m.task, m.rank);
                 let shown = progress.clone();
                 let at = std::time::Instant::now();
