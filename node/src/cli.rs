@@ -562,7 +562,7 @@ pub(crate) enum JobCommand {
     /// Write a job's delivered outputs into a folder, each checked against the digest its
     /// worker signed: `DIR/<output>` for one task of one rank, `DIR/rank-<r>/<output>` for
     /// a group, `DIR/<task name>/...` for several tasks. Fails naming any rank that has
-    /// not delivered.
+    /// not delivered, unless `--wait`.
     Results {
         /// The job id.
         id: String,
@@ -572,6 +572,11 @@ pub(crate) enum JobCommand {
         /// The folder to write into (created if missing).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Wait until every rank delivered and its outputs are here, with progress on
+        /// standard error (bytes, rate, ETA; none with --json or off a terminal); fails
+        /// if the job ends without them.
+        #[arg(long)]
+        wait: bool,
         #[command(flatten)]
         format: Format,
     },

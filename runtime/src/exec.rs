@@ -325,6 +325,7 @@ impl Executor {
             layers: Vec::new(),
             monitor_pid: None,
             exit: None,
+            usage: None,
             result: None,
             retry_of: None,
             lease_until_ms,

@@ -40,7 +40,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-pub use cgroup::{CgroupError, CgroupLimits, Cgroups, JobCgroup};
+pub use cgroup::{CgroupError, CgroupLimits, CgroupUsage, Cgroups, JobCgroup};
 pub use check::{SandboxCheck, check_running};
 pub use host::{Launch, LaunchError, Starting, launch};
 pub use stage::stage_main;

@@ -320,6 +320,14 @@ pub struct DeliveredOutput {
     pub exit_code: Option<i32>,
     /// The worker's wall time for the run, ms.
     pub wall_ms: u64,
+    /// CPU time of the run's processes together, ms, as the worker's cgroups counted it
+    /// (0 where its kernel does not count it).
+    #[serde(default)]
+    pub cpu_ms: u64,
+    /// The run's peak memory in bytes, as the worker's cgroups counted it (0 where its
+    /// kernel does not count it).
+    #[serde(default)]
+    pub peak_memory_bytes: u64,
 }
 
 /// A rank's outputs on their way here.

@@ -82,9 +82,15 @@ pub(super) fn run(
             id,
             task,
             out: dir,
+            wait,
             format,
         } => {
-            let job = ApiClient::from_data_dir(&data_dir()?)?.job(&id)?;
+            let api = ApiClient::from_data_dir(&data_dir()?)?;
+            let job = if wait {
+                wait_delivered(&api, &id, task, format.json)?
+            } else {
+                api.job(&id)?
+            };
             let written = results(&job, task, &dir)?;
             if format.json {
                 return output::json(&written);
@@ -113,10 +119,9 @@ struct Written {
     path: String,
 }
 
-/// Copies a job's delivered outputs into `dir`, each checked against its signed digest
-/// (on the copy), after checking every rank of the chosen tasks delivered.
-fn results(job: &JobDetail, only: Option<u32>, dir: &Path) -> anyhow::Result<Vec<Written>> {
-    let tasks: Vec<usize> = match only {
+/// The tasks `job results` works on: all, or the one chosen.
+fn chosen_tasks(job: &JobDetail, only: Option<u32>) -> anyhow::Result<Vec<usize>> {
+    Ok(match only {
         Some(t) if (t as usize) < job.tasks.len() => vec![t as usize],
         Some(t) => anyhow::bail!(
             "job {} has no task {t} (it has {})",
@@ -124,10 +129,13 @@ fn results(job: &JobDetail, only: Option<u32>, dir: &Path) -> anyhow::Result<Vec
             job.tasks.len()
         ),
         None => (0..job.tasks.len()).collect(),
-    };
-    // Every rank of every chosen task must have delivered: name those that did not.
+    })
+}
+
+/// The ranks of `tasks` whose outputs are not here yet, named for the user.
+fn undelivered(job: &JobDetail, tasks: &[usize]) -> Vec<String> {
     let mut missing = Vec::new();
-    for &i in &tasks {
+    for &i in tasks {
         let t = &job.tasks[i];
         for rank in 0..t.group_size {
             let done = t
@@ -139,10 +147,82 @@ fn results(job: &JobDetail, only: Option<u32>, dir: &Path) -> anyhow::Result<Vec
             }
         }
     }
+    missing
+}
+
+/// How often `job results --wait` asks the node.
+const WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Polls the node until every rank of the chosen tasks delivered and its outputs are here,
+/// drawing progress on standard error: a bar over the bytes on their way while outputs
+/// travel, else a spinner naming what is awaited. Nothing is drawn when `quiet` or when
+/// standard error is not a terminal. Fails as soon as the job ends without them (it ends
+/// by its deadline at the latest).
+fn wait_delivered(
+    api: &ApiClient,
+    id: &str,
+    only: Option<u32>,
+    quiet: bool,
+) -> anyhow::Result<JobDetail> {
+    use indicatif::{ProgressBar, ProgressStyle};
+    use std::io::IsTerminal as _;
+    let bar = if quiet || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new_spinner()
+    };
+    let waiting = ProgressStyle::with_template("{spinner} {elapsed} {msg}")?;
+    let moving = ProgressStyle::with_template(
+        "{spinner} {elapsed} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
+    )?
+    .progress_chars("=> ");
+    bar.set_style(waiting.clone());
+    loop {
+        let job = api.job(id)?;
+        let tasks = chosen_tasks(&job, only)?;
+        let missing = undelivered(&job, &tasks);
+        if missing.is_empty() {
+            bar.finish_and_clear();
+            return Ok(job);
+        }
+        if job.summary.state != cannabis_market::job::JobState::Open {
+            bar.finish_and_clear();
+            anyhow::bail!(
+                "job {id} is {:?} and will not deliver {} (see `cannabis job status {id}`)",
+                job.summary.state,
+                missing.join(", ")
+            );
+        }
+        let (bytes, total) = tasks
+            .iter()
+            .flat_map(|&i| &job.tasks[i].transfers)
+            .fold((0, 0), |(b, t), x| (b + x.bytes, t + x.total));
+        if total > 0 {
+            bar.set_style(moving.clone());
+            bar.set_length(total);
+            bar.set_position(bytes);
+            bar.set_message("outputs on their way");
+        } else {
+            bar.set_style(waiting.clone());
+            bar.set_message(format!("waiting for {}", missing.join(", ")));
+        }
+        bar.tick();
+        std::thread::sleep(WAIT_POLL);
+    }
+}
+
+/// Copies a job's delivered outputs into `dir`, each checked against its signed digest
+/// (on the copy), after checking every rank of the chosen tasks delivered.
+fn results(job: &JobDetail, only: Option<u32>, dir: &Path) -> anyhow::Result<Vec<Written>> {
+    let tasks = chosen_tasks(job, only)?;
+    // Every rank of every chosen task must have delivered: name those that did not.
+    let missing = undelivered(job, &tasks);
     if !missing.is_empty() {
         anyhow::bail!(
-            "not delivered yet: {} (see `cannabis job status {}`)",
+            "not delivered yet: {} (wait with `cannabis job results {} --wait`, or see \
+             `cannabis job status {}`)",
             missing.join(", "),
+            job.summary.job_id,
             job.summary.job_id
         );
     }
@@ -382,7 +462,21 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
                 x.rate_bps / 1024
             )?;
         }
+        let mut ranks_told = Vec::new();
         for o in &t.delivered {
+            // The run's figures are the rank's, told once before its outputs.
+            if !ranks_told.contains(&o.rank) {
+                ranks_told.push(o.rank);
+                out!(
+                    "  rank {} ran {:.1} s, cpu {:.1} s, peak memory {} MiB, exit {}",
+                    o.rank,
+                    o.wall_ms as f64 / 1000.0,
+                    o.cpu_ms as f64 / 1000.0,
+                    o.peak_memory_bytes >> 20,
+                    o.exit_code
+                        .map_or_else(|| "none".to_string(), |c| c.to_string())
+                )?;
+            }
             let state = if o.fetched { "here" } else { "fetching" };
             out!(
                 "  rank {} output {} {} bytes sha256 {} ({state})",

@@ -380,10 +380,14 @@ fn seal(ex: &ExecutorHandle, d: &Delivery, attempt: &Attempt) -> Result<Command,
     };
     let outputs = crate::delivery::seal(&d.data_dir, ex, &order)?;
     let exit = attempt.exit.as_ref();
+    // Counted by the attempt's cgroups; a figure the host cannot count stays 0.
+    let counted = attempt.usage.unwrap_or_default();
     let usage = ResourceUsage {
         wall_ms: exit.map_or(0, |e| e.ended_at_ms.saturating_sub(e.started_at_ms)),
+        cpu_ms: counted.cpu_ms.unwrap_or(0),
+        peak_memory_bytes: counted.peak_memory_bytes.unwrap_or(0),
+        gpu_ms: 0,
         output_bytes: outputs.iter().map(|o| o.size_bytes).sum(),
-        ..ResourceUsage::default()
     };
     Ok(Command::Prepared {
         request_id: d.request_id.clone(),

@@ -373,6 +373,8 @@ impl Node {
                         path: path.display().to_string(),
                         exit_code: m.exit_code,
                         wall_ms: m.usage.wall_ms,
+                        cpu_ms: m.usage.cpu_ms,
+                        peak_memory_bytes: m.usage.peak_memory_bytes,
                     });
                 }
                 if let Some(p) = progress.get(&(*id, i as u32, r.rank)) {

@@ -654,6 +654,49 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     assert!(stdout(&status).contains("bidding"), "{}", stdout(&status));
     let o = cannabis(dir.path(), &["job", "status", "not-a-job"]);
     assert!(!o.status.success());
+    // Before delivery, results name the rank that has not delivered...
+    let out = dir.path().join("results");
+    let results = |id: &str, wait: bool| {
+        let mut args = vec![
+            "job",
+            "results",
+            id,
+            "--out",
+            out.to_str().unwrap(),
+            "--json",
+        ];
+        if wait {
+            args.push("--wait");
+        }
+        cannabis(dir.path(), &args)
+    };
+    let o = results(id, false);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("not delivered yet: task 0 (matmul) rank 0"),
+        "{}",
+        stderr(&o)
+    );
+    // ...and with --wait they wait through the bid window, the run and the delivery.
+    let o = results(id, true);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let written: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(written.as_array().unwrap().len(), 1, "{written}");
+    assert!(Path::new(written[0]["path"].as_str().unwrap()).is_file());
+    // A job that ends without delivering ends the wait with the reason.
+    let o = cannabis(dir.path(), &["job", "submit", &spec, "--yes", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let job: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let cancelled = job["job_id"].as_str().unwrap();
+    let o = cannabis(dir.path(), &["job", "cancel", cancelled]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = results(cancelled, true);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("Cancelled and will not deliver task 0 (matmul) rank 0"),
+        "{}",
+        stderr(&o)
+    );
     for c in [&mut worker, &mut child] {
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(c.id() as i32),

@@ -231,6 +231,10 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
     assert_eq!(upper, text.to_uppercase());
     let count = std::fs::read_to_string(out.join("count/count.txt")).unwrap();
     assert_eq!(count.trim(), text.len().to_string());
+    // The manifest carries what the worker's cgroups counted for the run.
+    let ran = &done.tasks[0].delivered[0];
+    assert!(ran.peak_memory_bytes > 0, "peak memory counted: {ran:?}");
+    assert!(ran.cpu_ms <= ran.wall_ms + 1_000, "{ran:?}");
     let manifest_digest = &done.tasks[0].delivered[0].digest;
     assert_eq!(
         &cannabis_protocol::Digest::of(upper.as_bytes()).to_string(),

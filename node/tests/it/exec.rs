@@ -386,6 +386,34 @@ fn exceeding_memory_gets_the_command_killed() {
 }
 
 #[test]
+fn cpu_time_and_peak_memory_are_counted_by_the_cgroups() {
+    let s = setup();
+    // A busy shell loop for CPU time, and a 24 MiB string held in a shell variable.
+    let req = script_request(
+        s.dir.path(),
+        "usage",
+        "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; \
+         x=$(head -c 25165824 /dev/zero | tr '\\0' a); echo ${#x}",
+    );
+    let a = run(&s.ex, req);
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?}");
+    assert_eq!(read_all(&s.ex, &a.id, "stdout").trim(), "25165824");
+    let usage = a.usage.expect("usage is read when the attempt ends");
+    let cpu_ms = usage.cpu_ms.expect("this host counts CPU time");
+    let exit = a.exit.as_ref().unwrap();
+    let wall_ms = exit.ended_at_ms - exit.started_at_ms;
+    // One core's quota: CPU time is real and no more than the wall time allows.
+    assert!(cpu_ms >= 100, "cpu {cpu_ms} ms");
+    assert!(
+        cpu_ms <= wall_ms + 200,
+        "cpu {cpu_ms} ms over wall {wall_ms} ms"
+    );
+    let peak = usage.peak_memory_bytes.expect("this host counts memory");
+    assert!(peak >= 24 << 20, "peak {peak} bytes");
+    assert!(peak <= 256 << 20, "peak {peak} bytes over the limit");
+}
+
+#[test]
 fn a_fork_bomb_is_contained_and_cleaned_up() {
     let s = setup();
     let mut req = script_request(

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use cannabis_protocol::{Digest, IsolationLayer, TaskSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::sandbox::ExitRecord;
+use crate::sandbox::{CgroupUsage, ExitRecord};
 
 /// What a caller asks the executor to run.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -154,6 +154,9 @@ pub struct Attempt {
     pub monitor_pid: Option<u32>,
     /// What the sandbox observed.
     pub exit: Option<ExitRecord>,
+    /// What the attempt's processes used, read from its cgroups when it ended.
+    #[serde(default)]
+    pub usage: Option<CgroupUsage>,
     /// The synthetic task's result.
     pub result: Option<SyntheticResult>,
     /// The attempt this one retries, by an explicit decision.
@@ -314,6 +317,7 @@ pub(crate) mod tests {
             layers: vec![],
             monitor_pid: None,
             exit: None,
+            usage: None,
             result: None,
             retry_of: None,
             lease_until_ms: 0,

@@ -317,9 +317,11 @@ fn monitor(inner: &Inner, a: &Attempt) -> Result<(), ExecError> {
         };
         if settled {
             let oom = cgroup.oom_killed();
+            let usage = cgroup.usage();
             let (outcome, reason, result) = outcome(inner, &a, exit.as_ref(), oom);
             return inner.update(id, |a| {
                 a.exit = exit.clone();
+                a.usage = Some(usage);
                 a.result = result.clone();
                 a.finish(now_ms(), outcome, reason.clone())
             });

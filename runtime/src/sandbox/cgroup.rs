@@ -55,7 +55,9 @@ pub struct Cgroups {
     v2: Option<(PathBuf, Vec<String>)>,
 }
 
-const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "freezer"];
+/// The v1 controllers an attempt gets a cgroup in. `cpuacct` only counts (CPU time); where
+/// it is mounted together with `cpu` the `cpu` cgroup already holds its files.
+const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];
 
 impl Cgroups {
     /// Finds the hierarchies and creates `<own cgroup>/cannabis/<name>` in each one that
@@ -305,6 +307,15 @@ pub(super) fn enter_self(entry_files: &[PathBuf]) -> Result<(), CgroupError> {
     Ok(())
 }
 
+/// What an attempt's processes used, as its cgroups counted it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CgroupUsage {
+    /// CPU time of every process of the attempt together, in milliseconds.
+    pub cpu_ms: Option<u64>,
+    /// The most memory the attempt held at once, in bytes (page cache included).
+    pub peak_memory_bytes: Option<u64>,
+}
+
 /// One attempt's cgroups.
 #[derive(Clone, Debug)]
 pub struct JobCgroup {
@@ -476,6 +487,41 @@ impl JobCgroup {
         })
     }
 
+    /// What the attempt's processes used so far, as the kernel counted it: CPU time from
+    /// `cpuacct.usage` (v1) or `cpu.stat` (v2), the memory high-water mark from
+    /// `memory.max_usage_in_bytes` (v1) or `memory.peak` (v2, Linux 5.19 and later). A
+    /// figure the host cannot count is `None`, never a guess.
+    pub fn usage(&self) -> CgroupUsage {
+        let read = |dir: &Path, file: &str| fs::read_to_string(dir.join(file)).ok();
+        let number = |text: Option<String>| text.and_then(|t| t.trim().parse::<u64>().ok());
+        let mut usage = CgroupUsage::default();
+        for (kind, dir) in &self.dirs {
+            match kind {
+                Kind::V1("cpu" | "cpuacct") if usage.cpu_ms.is_none() => {
+                    usage.cpu_ms = number(read(dir, "cpuacct.usage")).map(|ns| ns / 1_000_000);
+                }
+                Kind::V1("memory") => {
+                    usage.peak_memory_bytes = number(read(dir, "memory.max_usage_in_bytes"));
+                }
+                Kind::V2 => {
+                    if usage.cpu_ms.is_none() {
+                        usage.cpu_ms = read(dir, "cpu.stat").and_then(|t| {
+                            t.lines()
+                                .find_map(|l| l.strip_prefix("usage_usec "))
+                                .and_then(|v| v.trim().parse::<u64>().ok())
+                                .map(|us| us / 1_000)
+                        });
+                    }
+                    if usage.peak_memory_bytes.is_none() {
+                        usage.peak_memory_bytes = number(read(dir, "memory.peak"));
+                    }
+                }
+                Kind::V1(_) => {}
+            }
+        }
+        usage
+    }
+
     /// Removes the cgroups; they must be empty.
     pub fn remove(&self) -> Result<(), CgroupError> {
         for (_, dir) in &self.dirs {
@@ -515,7 +561,10 @@ fn parse_mountinfo(text: &str) -> Vec<Mount> {
             }),
             "cgroup" => {
                 for c in V1_CONTROLLERS {
-                    if r[2].split(',').any(|o| o == c) && !out.iter().any(|m| m.kind == Kind::V1(c))
+                    let same_mount = out.iter().any(|m| m.mount_point == mount_point);
+                    if r[2].split(',').any(|o| o == c)
+                        && !out.iter().any(|m| m.kind == Kind::V1(c))
+                        && !(c == "cpuacct" && same_mount)
                     {
                         out.push(Mount {
                             kind: Kind::V1(c),
@@ -642,6 +691,58 @@ mod tests {
         let err = enter_self(std::slice::from_ref(&other)).unwrap_err();
         assert!(err.to_string().contains("not a cgroup"), "{err}");
         assert_eq!(fs::read_to_string(&other).unwrap(), "kept");
+    }
+
+    #[test]
+    fn cpu_time_is_counted_in_cpuacct_whether_or_not_it_shares_the_cpu_mount() {
+        let apart = parse_mountinfo(
+            "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n\
+             33 31 0:30 / /sys/fs/cgroup/cpuacct rw - cgroup cgroup rw,cpuacct\n",
+        );
+        let kinds: Vec<Kind> = apart.iter().map(|m| m.kind).collect();
+        assert_eq!(kinds, [Kind::V1("cpu"), Kind::V1("cpuacct")]);
+        // Mounted together, the one `cpu` cgroup holds `cpuacct.usage`: no second cgroup.
+        let together = parse_mountinfo(
+            "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n",
+        );
+        let kinds: Vec<Kind> = together.iter().map(|m| m.kind).collect();
+        assert_eq!(kinds, [Kind::V1("cpu")]);
+    }
+
+    #[test]
+    fn usage_is_read_from_the_cgroup_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cpu, memory, v2) = (
+            dir.path().join("cpu"),
+            dir.path().join("memory"),
+            dir.path().join("v2"),
+        );
+        for d in [&cpu, &memory, &v2] {
+            fs::create_dir_all(d).unwrap();
+        }
+        fs::write(cpu.join("cpuacct.usage"), "2500000000\n").unwrap();
+        fs::write(memory.join("memory.max_usage_in_bytes"), "73400320\n").unwrap();
+        let v1 = JobCgroup {
+            dirs: vec![(Kind::V1("cpu"), cpu), (Kind::V1("memory"), memory)],
+        };
+        let want = CgroupUsage {
+            cpu_ms: Some(2_500),
+            peak_memory_bytes: Some(73_400_320),
+        };
+        assert_eq!(v1.usage(), want);
+        fs::write(
+            v2.join("cpu.stat"),
+            "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n",
+        )
+        .unwrap();
+        fs::write(v2.join("memory.peak"), "73400320\n").unwrap();
+        let unified = JobCgroup {
+            dirs: vec![(Kind::V2, v2.clone())],
+        };
+        assert_eq!(unified.usage(), want);
+        // A kernel without `memory.peak` gives no figure rather than a wrong one.
+        fs::remove_file(v2.join("memory.peak")).unwrap();
+        assert_eq!(unified.usage().peak_memory_bytes, None);
     }
 
     #[test]
