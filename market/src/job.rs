@@ -433,7 +433,19 @@ pub struct Job {
     /// History lines dropped to keep it within its bound (the oldest after the first).
     #[serde(default)]
     history_dropped: u64,
+    /// For a job placed early: when the tasks still without a placeable set of bids get a
+    /// wider call, before their bid window ends ([`EARLY_LOOK_MS`] after the offer's
+    /// version was published). `None` once that look was taken.
+    #[serde(default)]
+    early_look_at: Option<Timestamp>,
 }
+
+/// How long after an early-placed job's offer (or a widened version of it) is published
+/// its tasks that still lack a placeable set of bids get a wider call, instead of waiting
+/// for the window's end: the bids of drawn workers arrive within a few hundred
+/// milliseconds, so a draw that picked too few shows by then. A window-long wait for a job
+/// meant to start at once is what the draw's bad luck would otherwise cost.
+pub const EARLY_LOOK_MS: u64 = 2_000;
 
 /// Two different bids one worker signed for one version of an offer: either alone is a
 /// valid quote, together they show the worker said two things. Anyone can check both
@@ -521,7 +533,9 @@ impl Job {
             evidence: Vec::new(),
             accept_evidence: Vec::new(),
             history_dropped: 0,
+            early_look_at: None,
         };
+        job.early_look_at = job.early_look_after(now);
         job.log(now, None, "offer published; taking bids".into());
         job
     }
@@ -1172,8 +1186,9 @@ impl Job {
         let Some(call) = self.offer.calls.get(i) else {
             return false;
         };
+        let looked = self.early_look_at.is_some_and(|t| now >= t);
         if task.status != TaskStatus::Bidding
-            || now < self.offer.expires_at
+            || (now < self.offer.expires_at && !looked)
             || call.odds_ppb >= cannabis_protocol::draw::ODDS_ONE
         {
             return false;
@@ -1207,11 +1222,18 @@ impl Job {
             .collect();
         self.offer = offer;
         self.earlier.push(std::mem::replace(&mut self.offer_id, id));
+        self.early_look_at = self.early_look_after(now);
         self.log(
             now,
             None,
             format!("too few bids: call widened (odds {})", odds.join(", ")),
         );
+    }
+
+    /// When an early-placed job published at `now` looks at its bids ahead of the window.
+    fn early_look_after(&self, now: Timestamp) -> Option<Timestamp> {
+        let look = now.plus_ms(EARLY_LOOK_MS);
+        (self.bidding.early.is_some() && look < self.offer.expires_at).then_some(look)
     }
 
     /// Moves time on: places tasks whose bid window is over, expires awards nobody
@@ -1263,6 +1285,13 @@ impl Job {
                 }
             }
         }
+        // The early look is taken once per version: a task that wants a wider call keeps it
+        // until the engine publishes one (which sets the next look).
+        if self.early_look_at.is_some_and(|t| now >= t)
+            && !(0..self.tasks.len()).any(|i| self.wants_wider_call(i, now))
+        {
+            self.early_look_at = None;
+        }
         actions
     }
 
@@ -1275,7 +1304,12 @@ impl Job {
         let mut at = self.offer.deadline;
         for t in &self.tasks {
             match t.status {
-                TaskStatus::Bidding => at = at.min(self.offer.expires_at),
+                TaskStatus::Bidding => {
+                    at = at.min(self.offer.expires_at);
+                    if let Some(look) = self.early_look_at {
+                        at = at.min(look);
+                    }
+                }
                 TaskStatus::Leasing | TaskStatus::Running => {
                     for a in &t.ranks {
                         match a.state {

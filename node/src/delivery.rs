@@ -220,7 +220,12 @@ pub fn unseal(data_dir: &Path, request_id: &str) {
 }
 
 /// Answers a request for an output from `from`. Blocking.
-pub fn serve(data_dir: &Path, from: &Address, req: &TransferRequest) -> TransferResponse {
+pub fn serve(
+    data_dir: &Path,
+    from: &Address,
+    req: &TransferRequest,
+    trees: &Trees,
+) -> TransferResponse {
     let refuse = |reason: String| TransferResponse::Refused { reason };
     let o = &req.object;
     if o.kind != ObjectKind::Output || !cannabis_protocol::is_safe_name(&o.name) {
@@ -243,22 +248,64 @@ pub fn serve(data_dir: &Path, from: &Address, req: &TransferRequest) -> Transfer
     if !sealed.outputs.iter().any(|d| d.name == o.name) {
         return refuse(format!("this delivery has no output {:?}", o.name));
     }
-    serve_chunk(&dir.join(format!("{}.age", o.name)), req.index)
+    serve_chunk(&dir.join(format!("{}.age", o.name)), req.index, trees)
 }
 
-/// One chunk of a sealed age file (beside it, its `.leaves`), with its proof.
-fn serve_chunk(age_file: &Path, index: u64) -> TransferResponse {
-    let refuse = |reason: String| TransferResponse::Refused { reason };
-    let read = || -> io::Result<TransferResponse> {
-        let bytes = fs::read(age_file.with_extension("leaves"))?;
+/// The Merkle trees of the sealed files served lately, so that each chunk's proof is a
+/// look-up instead of a pass over every leaf of the file (`O(n)` per chunk, `O(n^2)` per
+/// file: minutes for a file of a few GiB). A few files at a time; a file is known by its
+/// leaves file's path, inode, size and modification time, so one sealed again is read
+/// again.
+#[derive(Default)]
+pub struct Trees(std::sync::Mutex<Vec<(TreeKey, std::sync::Arc<merkle::Tree>)>>);
+
+type TreeKey = (PathBuf, u64, u64, std::time::SystemTime);
+
+/// Trees kept: about as many files as are fetched from one node at once.
+const TREES_KEPT: usize = 8;
+
+impl Trees {
+    fn kept(&self) -> std::sync::MutexGuard<'_, Vec<(TreeKey, std::sync::Arc<merkle::Tree>)>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn of(&self, leaves_file: &Path) -> io::Result<std::sync::Arc<merkle::Tree>> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = fs::metadata(leaves_file)?;
+        let key = (
+            leaves_file.to_path_buf(),
+            meta.ino(),
+            meta.len(),
+            meta.modified()?,
+        );
+        if let Some((_, tree)) = self.kept().iter().find(|(k, _)| *k == key) {
+            return Ok(tree.clone());
+        }
+        let bytes = fs::read(leaves_file)?;
         let leaves: Vec<Digest> = bytes
             .chunks_exact(32)
             .map(|c| Digest(c.try_into().unwrap_or([0; 32])))
             .collect();
-        let Some(proof) = merkle::prove_hashes(&leaves, index as usize) else {
+        let tree = std::sync::Arc::new(merkle::Tree::from_leaf_hashes(leaves));
+        let mut kept = self.kept();
+        kept.retain(|(k, _)| k.0 != key.0);
+        kept.insert(0, (key, tree.clone()));
+        kept.truncate(TREES_KEPT);
+        Ok(tree)
+    }
+}
+
+/// One chunk of a sealed age file (beside it, its `.leaves`), with its proof.
+fn serve_chunk(age_file: &Path, index: u64, trees: &Trees) -> TransferResponse {
+    let refuse = |reason: String| TransferResponse::Refused { reason };
+    let read = || -> io::Result<TransferResponse> {
+        let tree = trees.of(&age_file.with_extension("leaves"))?;
+        let Some(proof) = usize::try_from(index).ok().and_then(|i| tree.prove(i)) else {
             return Ok(refuse(format!(
                 "chunk {index} is past the end ({} chunks)",
-                leaves.len()
+                tree.size()
             )));
         };
         let mut f = File::open(age_file)?;
@@ -270,7 +317,7 @@ fn serve_chunk(age_file: &Path, index: u64) -> TransferResponse {
         Ok(TransferResponse::Chunk {
             index,
             size,
-            root: merkle::root_of_hashes(&leaves),
+            root: tree.root(),
             data,
             proof: proof.path,
         })
@@ -372,6 +419,7 @@ pub fn serve_package(
     p: &PackageServe,
     req: &TransferRequest,
     lock: &std::sync::Mutex<()>,
+    trees: &Trees,
 ) -> TransferResponse {
     let kind = match req.object.kind {
         ObjectKind::Bundle => "bundle",
@@ -387,7 +435,7 @@ pub fn serve_package(
         seal_file(&p.source, &p.digest, &p.to, &age_file)
     };
     match sealed {
-        Ok(()) => serve_chunk(&age_file, req.index),
+        Ok(()) => serve_chunk(&age_file, req.index, trees),
         Err(e) => TransferResponse::Refused { reason: e },
     }
 }

@@ -141,6 +141,7 @@ pub(crate) enum Command {
     },
     /// A chunk read for a peer, to send.
     TransferServed(
+        PeerId,
         ResponseChannel<cannabis_protocol::TransferResponse>,
         cannabis_protocol::TransferResponse,
     ),
@@ -269,6 +270,10 @@ pub(crate) struct Node {
     fetch_progress: transfer::Progresses,
     /// Held while a package is sealed for a worker (one sealing at a time).
     sealing: Arc<std::sync::Mutex<()>>,
+    /// The Merkle trees of the sealed files served lately.
+    trees: Arc<crate::delivery::Trees>,
+    /// Transfer requests being answered, per peer (the cap on what one peer has read).
+    serving: HashMap<PeerId, u32>,
     /// Challenges this node set, by request.
     challenges: HashMap<OutboundRequestId, challenge::Pending>,
     /// The challenge this node is proving (one at a time), and where to answer.
@@ -417,6 +422,8 @@ pub async fn start(
         fetching: Default::default(),
         fetch_progress: Default::default(),
         sealing: Default::default(),
+        trees: Default::default(),
+        serving: HashMap::new(),
         challenges: HashMap::new(),
         proving: None,
         answered: challenge::Answered::default(),
@@ -996,7 +1003,10 @@ impl Node {
                 request,
                 reply,
             } => self.ask_transfer(peer, request, reply),
-            Command::TransferServed(channel, response) => self.answer_transfer(channel, response),
+            Command::TransferServed(peer, channel, response) => {
+                self.served_transfer(peer);
+                self.answer_transfer(channel, response);
+            }
             Command::Fetched(manifest, result) => self.fetched(*manifest, result),
         }
     }

@@ -139,6 +139,72 @@ fn audit_path(hashes: &[Digest], index: usize, path: &mut Vec<Digest>) {
     }
 }
 
+/// A whole tree over leaf hashes, every level kept: its root and any leaf's proof in
+/// `O(log n)`, where [`root_of_hashes`] and [`prove_hashes`] take `O(n)` each. What a
+/// server of many chunks of one file holds.
+///
+/// Built bottom-up, pairing neighbours and carrying a level's lone last node up unchanged:
+/// the same tree as the split-at-a-power-of-two definition above (the left part of every
+/// split is a perfect subtree aligned on its size).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tree {
+    /// Leaf hashes first, the root's level last.
+    levels: Vec<Vec<Digest>>,
+}
+
+impl Tree {
+    /// The tree over leaves already hashed with [`leaf_hash`].
+    pub fn from_leaf_hashes(leaves: Vec<Digest>) -> Self {
+        let mut levels = vec![leaves];
+        while let Some(last) = levels.last().filter(|l| l.len() > 1) {
+            let up = last
+                .chunks(2)
+                .map(|pair| match pair {
+                    [l, r] => node_hash(l, r),
+                    [one] => *one,
+                    _ => unreachable!("chunks(2) gives one or two"),
+                })
+                .collect();
+            levels.push(up);
+        }
+        Self { levels }
+    }
+
+    /// Number of leaves.
+    pub fn size(&self) -> usize {
+        self.levels[0].len()
+    }
+
+    /// The root (of the empty tree: [`empty_root`]).
+    pub fn root(&self) -> Digest {
+        match self.levels.last().and_then(|l| l.first()) {
+            Some(r) => *r,
+            None => empty_root(),
+        }
+    }
+
+    /// The inclusion proof for leaf `index`, or `None` outside the tree.
+    pub fn prove(&self, index: usize) -> Option<InclusionProof> {
+        if index >= self.size() {
+            return None;
+        }
+        let mut path = Vec::new();
+        let mut i = index;
+        for level in &self.levels[..self.levels.len() - 1] {
+            // A lone last node has no sibling at this level: it is carried up as it is.
+            if let Some(sibling) = level.get(i ^ 1) {
+                path.push(*sibling);
+            }
+            i /= 2;
+        }
+        Some(InclusionProof {
+            index: index as u64,
+            tree_size: self.size() as u64,
+            path,
+        })
+    }
+}
+
 impl InclusionProof {
     /// Checks that leaf data `data` is included under `root` (RFC 9162 §2.1.3.2).
     pub fn verify(&self, data: &[u8], root: &Digest) -> Result<(), ProofError> {
@@ -227,6 +293,20 @@ mod tests {
                 assert_eq!(p.verify(&ls[i], &r), Ok(()), "n={n} i={i}");
             }
             assert!(prove(&ls, n).is_none());
+        }
+    }
+
+    #[test]
+    fn the_kept_tree_is_the_same_tree() {
+        assert_eq!(Tree::from_leaf_hashes(Vec::new()).root(), empty_root());
+        for n in 1..=70 {
+            let hashes: Vec<Digest> = leaves(n).iter().map(|l| leaf_hash(l)).collect();
+            let tree = Tree::from_leaf_hashes(hashes.clone());
+            assert_eq!(tree.root(), root_of_hashes(&hashes), "n = {n}");
+            for i in 0..n {
+                assert_eq!(tree.prove(i), prove_hashes(&hashes, i), "n = {n}, i = {i}");
+            }
+            assert_eq!(tree.prove(n), None);
         }
     }
 

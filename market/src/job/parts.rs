@@ -67,6 +67,8 @@ pub struct Head {
     #[serde(default)]
     accept_evidence: Vec<AcceptEquivocation>,
     history_dropped: u64,
+    #[serde(default)]
+    early_look_at: Option<cannabis_protocol::Timestamp>,
 }
 
 impl Part {
@@ -145,6 +147,7 @@ impl Job {
             evidence: self.evidence.clone(),
             accept_evidence: self.accept_evidence.clone(),
             history_dropped: self.history_dropped,
+            early_look_at: self.early_look_at,
         })));
         for (i, t) in self.tasks.iter().enumerate() {
             let task = i as u32;
@@ -241,6 +244,7 @@ impl Job {
             evidence: head.evidence,
             accept_evidence: head.accept_evidence,
             history_dropped: head.history_dropped,
+            early_look_at: head.early_look_at,
         })
     }
 }

@@ -255,11 +255,11 @@ fn first_bids_place_as_soon_as_they_are_in() {
     }
 }
 
-#[test]
-fn a_call_that_draws_too_few_bids_is_widened() {
-    // Many workers, but only four have the 16 cores the task needs: the call, sized on a
-    // small sample where they are rare, draws too few of them; the window ends and the
-    // offer goes out again with better odds until the task is placed.
+/// Many workers, but only four have the 16 cores the task needs: a call sized on a small
+/// sample where they are rare, and a job id whose first call (odds 1/20 at these sizes)
+/// draws none of them. The job is published from node 0 with bid window `WINDOW`, placed
+/// early when `early`.
+fn a_job_the_first_draw_misses(early: bool) -> (Net, Uuid, Vec<Address>) {
     let mut requester = config();
     requester.fanin = FaninConfig {
         min_target: 1,
@@ -280,7 +280,6 @@ fn a_call_that_draws_too_few_bids_is_widened() {
         ..Machine::default()
     });
     let task = testkit::task("big", 16, 0, 0, 1, 1_000_000);
-    // A job id whose first call (odds 1/20 at these sizes) draws none of the four.
     let big: Vec<Address> = (1..=4).map(|k| testkit::keys(k * 50).address()).collect();
     let first_odds = BidCall {
         target: 1,
@@ -294,23 +293,38 @@ fn a_call_that_draws_too_few_bids_is_widened() {
                 .all(|w| !draw::drawn(&first_odds, &id, 0, w, Amount(1)))
         })
         .unwrap();
-    let job = submit(
-        &mut net,
-        testkit::template(vec![task], WINDOW, 3_600_000),
-        [nonce; 16],
-    );
+    let mut template = testkit::template(vec![task], WINDOW, 3_600_000);
+    if early {
+        template.early = Some(Early::FirstBids(1));
+    }
+    let job = submit(&mut net, template, [nonce; 16]);
     net.settle(T0);
-    let first = net.nodes[0].market.job(&job).unwrap().offer().calls[0];
+    (net, job, big)
+}
+
+/// Moves `net` on in steps of `step_ms` until the job's task is no longer bidding (at
+/// most `steps` times); the time reached.
+fn until_placed(net: &mut Net, job: &Uuid, step_ms: u64, steps: u32) -> Timestamp {
     let mut now = T0;
-    for _ in 0..12 {
-        let j = net.nodes[0].market.job(&job).unwrap();
+    for _ in 0..steps {
+        let j = net.nodes[0].market.job(job).unwrap();
         if j.tasks()[0].status() != &TaskStatus::Bidding {
             break;
         }
-        now = now.plus_ms(WINDOW);
+        now = now.plus_ms(step_ms);
         net.tick(now);
         net.settle(now);
     }
+    now
+}
+
+#[test]
+fn a_call_that_draws_too_few_bids_is_widened() {
+    // The window ends and the offer goes out again with better odds until the task is
+    // placed.
+    let (mut net, job, big) = a_job_the_first_draw_misses(false);
+    let first = net.nodes[0].market.job(&job).unwrap().offer().calls[0];
+    until_placed(&mut net, &job, WINDOW, 12);
     let j = net.nodes[0].market.job(&job).unwrap();
     assert_eq!(
         j.tasks()[0].status(),
@@ -328,6 +342,27 @@ fn a_call_that_draws_too_few_bids_is_widened() {
     assert!(j.offer().seq > 1, "a new version of the offer");
     // Only workers with 16 cores bid.
     assert!(j.tasks()[0].bids().all(|c| big.contains(&c.bid.worker)));
+}
+
+#[test]
+fn an_early_job_whose_draw_misses_is_widened_without_waiting_for_its_window() {
+    // Placed early, the job looks at its bids EARLY_LOOK_MS after each version: the
+    // widened calls go out then, and it runs long before one window has passed.
+    let (mut net, job, _) = a_job_the_first_draw_misses(true);
+    let placed = until_placed(&mut net, &job, 100, 200);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].status(),
+        &TaskStatus::Running,
+        "{:?}",
+        j.history()
+    );
+    let waited = placed.ms_since(T0);
+    assert!(
+        (cannabis_market::job::EARLY_LOOK_MS..WINDOW).contains(&waited),
+        "placed {waited} ms after publication (window {WINDOW} ms): {:?}",
+        j.history()
+    );
 }
 
 #[test]

@@ -24,6 +24,11 @@ use cannabis_api as api;
 /// as failed (and is placed again).
 const FETCH_PATIENCE: Duration = Duration::from_secs(120);
 
+/// Most transfer requests of one peer answered at once. A fetch keeps four chunks in
+/// flight; this allows several fetches of one requester from one worker at once, and caps
+/// what a peer that floods requests makes this node read.
+const MAX_SERVING_PER_PEER: u32 = 32;
+
 /// Asks `peer` for one chunk through the node's driver (what every fetch's transport is).
 pub(super) async fn ask_peer(
     node: tokio::sync::mpsc::Sender<Command>,
@@ -109,8 +114,13 @@ impl Node {
             Some(_) => return self.answer_transfer(channel, refuse("graylisted")),
             None => return self.answer_transfer(channel, refuse("no market identity")),
         };
+        // What a peer may ask for is decided here, from memory: nothing is read from disk
+        // for a peer that holds no lease here (packages) or granted none (outputs).
         let package = match request.object.kind {
-            ObjectKind::Output => None,
+            ObjectKind::Output => match self.delivery_for(&from, &request.object) {
+                Ok(()) => None,
+                Err(why) => return self.answer_transfer(channel, refuse(&why)),
+            },
             ObjectKind::Bundle | ObjectKind::Input => {
                 match self.package_for(&from, &request.object) {
                     Ok(p) => Some(p),
@@ -118,20 +128,57 @@ impl Node {
                 }
             }
         };
+        let in_flight = self.serving.entry(peer).or_default();
+        if *in_flight >= MAX_SERVING_PER_PEER {
+            let why = format!("busy: {MAX_SERVING_PER_PEER} of your requests are being answered");
+            return self.answer_transfer(channel, refuse(&why));
+        }
+        *in_flight += 1;
         let data_dir = self.data_dir.clone();
         let tell = self.self_tx.clone();
         let lock = self.sealing.clone();
+        let trees = self.trees.clone();
         tokio::spawn(async move {
             let response = tokio::task::spawn_blocking(move || match package {
-                None => delivery::serve(&data_dir, &from, &request),
-                Some(p) => delivery::serve_package(&data_dir, &p, &request, &lock),
+                None => delivery::serve(&data_dir, &from, &request, &trees),
+                Some(p) => delivery::serve_package(&data_dir, &p, &request, &lock, &trees),
             })
             .await
             .unwrap_or_else(|e| TransferResponse::Refused {
                 reason: e.to_string(),
             });
-            let _ = tell.send(Command::TransferServed(channel, response)).await;
+            let _ = tell
+                .send(Command::TransferServed(peer, channel, response))
+                .await;
         });
+    }
+
+    /// A transfer request of `peer` was answered.
+    pub(super) fn served_transfer(&mut self, peer: PeerId) {
+        if let Some(n) = self.serving.get_mut(&peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.serving.remove(&peer);
+            }
+        }
+    }
+
+    /// Whether `from` may fetch an output of the assignment `o` names from this worker:
+    /// it is the requester that awarded this worker the lease at that epoch (current, or
+    /// ended lately: a delivered rank's lease ends once its outputs are fetched).
+    fn delivery_for(&self, from: &cannabis_protocol::Address, o: &ObjectRef) -> Result<(), String> {
+        let lease = self.market.leases().get(&(o.job_id, o.task, o.rank));
+        match lease {
+            Some(l) if l.requester == *from && l.epoch == o.epoch => Ok(()),
+            Some(l) if l.requester == *from => Err(format!(
+                "no delivery of job {} task {} rank {} at epoch {} here (the lease is at epoch {})",
+                o.job_id, o.task, o.rank, o.epoch, l.epoch
+            )),
+            _ => Err(format!(
+                "no delivery of job {} task {} rank {} at epoch {} here for you",
+                o.job_id, o.task, o.rank, o.epoch
+            )),
+        }
     }
 
     /// A package of one of this node's jobs, for the worker a rank is awarded to at that

@@ -573,6 +573,7 @@ mod transfer {
         let p = package(dir.path(), &data, &worker);
         let served = dir.path().join("served");
         let lock = std::sync::Mutex::new(());
+        let trees = cannabis_node::delivery::Trees::default();
         let wire = Arc::new(Mutex::new(Wire {
             cut_at_request: vec![40, 170],
             corrupt_once: vec![100],
@@ -580,7 +581,7 @@ mod transfer {
         }));
         let ask = |req: TransferRequest| {
             let wire = wire.clone();
-            let response = serve_package(&served, &p, &req, &lock);
+            let response = serve_package(&served, &p, &req, &lock, &trees);
             async move {
                 let mut w = wire.lock().unwrap();
                 w.asked.push(req.index);
@@ -722,10 +723,11 @@ mod transfer {
         let p = package(dir.path(), &data, &worker);
         let served = dir.path().join("served");
         let lock = std::sync::Mutex::new(());
+        let trees = cannabis_node::delivery::Trees::default();
         let asked = Mutex::new(0);
         let ask = |req: TransferRequest| {
             *asked.lock().unwrap() += 1;
-            let r = serve_package(&served, &p, &req, &lock);
+            let r = serve_package(&served, &p, &req, &lock, &trees);
             async move { Ok(r) }
         };
         let part = dir.path().join("f").join("bundle.age.part");

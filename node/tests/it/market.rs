@@ -440,9 +440,25 @@ async fn only_the_leaseholder_fetches_packages_and_only_the_requester_fetches_ou
         .transfer(worker.1, object(ObjectKind::Output, "result.json", 1))
         .await
         .unwrap();
+    // Refused from what the worker holds in memory, before anything is read from disk.
     let why = refused(r);
+    assert!(why.contains("here for you"), "{why}");
+    // The requester itself, for another epoch than the lease's, is refused too.
+    let r = requester
+        .handle
+        .transfer(worker.1, object(ObjectKind::Output, "result.json", 2))
+        .await
+        .unwrap();
+    let why = refused(r);
+    assert!(why.contains("the lease is at epoch 1"), "{why}");
+    // And at the lease's epoch it is served.
+    let r = requester
+        .handle
+        .transfer(worker.1, object(ObjectKind::Output, "result.json", 1))
+        .await
+        .unwrap();
     assert!(
-        why.contains("only the requester") || why.contains("no delivery"),
-        "{why}"
+        matches!(r, TransferResponse::Chunk { index: 0, .. }),
+        "{r:?}"
     );
 }
