@@ -420,6 +420,10 @@ pub(crate) enum TestnetCommand {
         /// With --hostile: which attacks (comma-separated); default: all of them.
         #[arg(long, value_enum, value_delimiter = ',', requires = "hostile")]
         only: Vec<crate::cmd::AttackKind>,
+        /// Size of the encrypted-transfer phase's output, MiB: one job's output delivered
+        /// over loopback, against plain age encryption of the same bytes (0: skip it).
+        #[arg(long, default_value_t = 256, value_name = "MIB")]
+        transfer_mib: u64,
         #[command(flatten)]
         format: Format,
     },

@@ -26,6 +26,28 @@ pub struct BenchOptions {
     /// Then publish the offers again while `cannabis testnet attack` runs against every
     /// node, and compare: the attacks to run (empty: all of them), or `None` for no attack.
     pub hostile: Option<Vec<String>>,
+    /// Size of the encrypted-transfer phase's output, bytes (0: no such phase).
+    pub transfer_bytes: u64,
+}
+
+/// One process job whose output is `bytes` random bytes, delivered encrypted over loopback,
+/// against plain age encryption of the same bytes in the same run.
+#[derive(Clone, Debug, Serialize)]
+pub struct TransferReport {
+    /// Size of the output, bytes.
+    pub bytes: u64,
+    /// From the requester hearing the run completed to the output fetched, decrypted and
+    /// checked there: the worker sealing it (age encryption, its Merkle leaves), the
+    /// transfer, and the requester's checks and decryption, ms.
+    pub completed_to_delivered_ms: u64,
+    /// Of which from the manifest's arrival (sealing done) to the task done, ms.
+    pub manifest_to_delivered_ms: u64,
+    /// Plain age encryption of the same bytes, file to file, as the `age` tool does it, in
+    /// the benchmark's own process, ms.
+    pub age_encrypt_ms: u64,
+    /// `age_encrypt_ms / completed_to_delivered_ms`: the encrypted transfer's throughput
+    /// relative to plain age encryption.
+    pub ratio: f64,
 }
 
 /// The same offers published while an attacker runs against every node.
@@ -98,6 +120,10 @@ pub struct BenchReport {
     pub work_submit_to_running_ms: Summary,
     /// From an offer's publication to its outputs fetched, checked and the task done (ms).
     pub work_submit_to_delivered_ms: Summary,
+    /// The encrypted transfer (`--transfer-mib`), unless skipped.
+    pub transfer: Option<TransferReport>,
+    /// Why the transfer phase did not run, when it did not.
+    pub transfer_skipped: Option<String>,
     /// The run under attack (`--hostile`).
     pub hostile: Option<HostileReport>,
 }
@@ -241,6 +267,119 @@ fn time_work(net: &Testnet) -> anyhow::Result<(Vec<u64>, Vec<u64>)> {
     Ok((running, delivered))
 }
 
+/// The program of the transfer phase's job: `bytes` random bytes into its output.
+fn transfer_bundle(bytes: u64) -> anyhow::Result<Vec<u8>> {
+    let script = format!("head -c {bytes} /dev/urandom > \"$CANNABIS_WORK/blob.bin\"\n");
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_ustar();
+    header.set_size(script.len() as u64);
+    header.set_mode(0o644);
+    header.set_cksum();
+    tar.append_data(&mut header, "run.sh", script.as_bytes())?;
+    Ok(tar.into_inner()?)
+}
+
+/// Runs one process job from node 0 whose output is `bytes` random bytes, and times its
+/// delivery from the job's own history; then encrypts the delivered bytes with plain age
+/// here, file to file, as the baseline.
+fn time_transfer(net: &Testnet, bytes: u64) -> anyhow::Result<TransferReport> {
+    let origin = &net.nodes[0];
+    let bundle = transfer_bundle(bytes)?;
+    let digest = Digest::of(&bundle);
+    // Where `job submit` keeps a bundle for workers to fetch.
+    let packages = origin.data_dir.join("packages");
+    std::fs::create_dir_all(&packages)?;
+    std::fs::write(packages.join(digest.to_string()), &bundle)?;
+    let mut t = bench_offer(3_000_000);
+    t.name = Some("bench-transfer".into());
+    t.tasks[0].workload = Workload {
+        adapter: AdapterKind::Process,
+        digest,
+        entrypoint: vec!["sh".into(), "run.sh".into()],
+    };
+    t.tasks[0].outputs = vec![cannabis_protocol::OutputDecl {
+        name: "blob.bin".into(),
+        max_bytes: bytes,
+        rights: cannabis_protocol::OutputRights::Exclusive,
+    }];
+    t.tasks[0].resources = Resources {
+        cpu_millicores: 1000,
+        memory_bytes: 256 << 20,
+        swap_bytes: 0,
+        processes: 64,
+        storage_bytes: bytes + (16 << 20),
+        gpus: 0,
+    };
+    t.tasks[0].budget = Amount(1_000_000);
+    t.ttl_ms = JOB_BID_WINDOW_MS;
+    t.deadline_ms = 600_000;
+    t.early = Some(cannabis_market::job::Early::FirstBids(1));
+    let job = origin.client.submit_job(&t)?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (detail, completed, manifest, done) = loop {
+        let detail = origin.client.job(&job.job_id)?;
+        let at = |text: &str| {
+            detail
+                .history
+                .iter()
+                .find(|e| e.text.contains(text))
+                .map(|e| e.at)
+        };
+        if let (Some(c), Some(m), Some(d)) = (
+            at("): completed"),
+            at("delivered a manifest"),
+            at("task done"),
+        ) {
+            break (detail, c, m, d);
+        }
+        if let status @ cannabis_market::job::TaskStatus::Failed(_) = &detail.tasks[0].status {
+            anyhow::bail!("the transfer benchmark's job {status}");
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the transfer benchmark's job was not delivered within 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = detail.tasks[0]
+        .delivered
+        .iter()
+        .find(|o| o.name == "blob.bin" && o.fetched)
+        .context("the job is done but its output is not here")?;
+    anyhow::ensure!(
+        out.size_bytes == bytes,
+        "the output has {} bytes, not {bytes}",
+        out.size_bytes
+    );
+    let plain = std::path::PathBuf::from(&out.path);
+    let sealed = net.dir.join("baseline.age");
+    let age_encrypt_ms = age_encrypt(&plain, &sealed)?;
+    let _ = std::fs::remove_file(&sealed);
+    let completed_to_delivered_ms = done.ms_since(completed);
+    Ok(TransferReport {
+        bytes,
+        completed_to_delivered_ms,
+        manifest_to_delivered_ms: done.ms_since(manifest),
+        age_encrypt_ms,
+        ratio: age_encrypt_ms as f64 / completed_to_delivered_ms.max(1) as f64,
+    })
+}
+
+/// Encrypts `from` into `to` with age to a fresh X25519 recipient, as `age -r` does: ms.
+fn age_encrypt(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<u64> {
+    use std::io::Write as _;
+    let recipient = age::x25519::Identity::generate().to_public();
+    let started = Instant::now();
+    let mut src = std::io::BufReader::new(std::fs::File::open(from)?);
+    let dst = std::io::BufWriter::new(std::fs::File::create(to)?);
+    let encryptor =
+        age::Encryptor::with_recipients(std::iter::once(&recipient as &dyn age::Recipient))?;
+    let mut w = encryptor.wrap_output(dst)?;
+    std::io::copy(&mut src, &mut w)?;
+    w.finish()?.flush()?;
+    Ok(u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX))
+}
+
 /// Runs the benchmark.
 pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     anyhow::ensure!(
@@ -291,11 +430,22 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let pss: Vec<u64> = memory.iter().map(|m| m.1).collect();
     let peers: usize = peers.iter().sum();
     let propagation_us = summarize(&mut latencies).context("no offer reached any node")?;
+    // After the idle figures, which it would disturb.
+    let (transfer, transfer_skipped) = if opts.transfer_bytes == 0 {
+        (None, Some("not asked for (--transfer-mib 0)".to_string()))
+    } else if !nix::unistd::geteuid().is_root() {
+        let why = "requesters' programs run only where the executor is root";
+        (None, Some(why.to_string()))
+    } else {
+        (Some(time_transfer(&net, opts.transfer_bytes)?), None)
+    };
     let hostile = match &opts.hostile {
         Some(only) => Some(under_attack(&net, opts, only, &propagation_us)?),
         None => None,
     };
     Ok(BenchReport {
+        transfer,
+        transfer_skipped,
         hostile,
         job_group,
         job_submit_to_placed_ms: placed_ms,

@@ -256,6 +256,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             dir,
             hostile,
             only,
+            transfer_mib,
             format,
         } => {
             if dir.exists() {
@@ -279,6 +280,9 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                         .map(|v| v.get_name().to_string())
                         .collect()
                 }),
+                transfer_bytes: transfer_mib
+                    .checked_mul(1 << 20)
+                    .context("--transfer-mib is too large")?,
             };
             let r = bench::run(&opts)?;
             if format.json {
@@ -330,6 +334,20 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                         r.work_submit_to_delivered_ms.p50,
                         r.work_submit_to_delivered_ms.p99
                     ),
+                ),
+                (
+                    "encrypted transfer",
+                    match (&r.transfer, &r.transfer_skipped) {
+                        (Some(t), _) => format!(
+                            "{} MiB output: run completed to delivered {} ms ({} ms from the manifest); plain age encryption {} ms; ratio {:.2}",
+                            t.bytes >> 20,
+                            t.completed_to_delivered_ms,
+                            t.manifest_to_delivered_ms,
+                            t.age_encrypt_ms,
+                            t.ratio
+                        ),
+                        (None, why) => format!("skipped: {}", why.as_deref().unwrap_or("")),
+                    },
                 ),
                 (
                     "idle memory per node",

@@ -53,6 +53,10 @@ pub(super) fn spawn(
         let mut watching = tokio::task::JoinSet::new();
         let mut fetching = std::collections::HashSet::<String>::new();
         let mut stopped = std::collections::HashSet::<String>::new();
+        // Renewals that came while a start was fetching its packages (the requester renews
+        // as soon as the award is countersigned): the start takes the latest when it runs,
+        // or the attempt would keep the award's short expiry.
+        let mut renewed = std::collections::HashMap::<String, cannabis_protocol::Timestamp>::new();
         loop {
             let (mut order, staged) = tokio::select! {
                 o = rx.recv() => match o {
@@ -75,8 +79,16 @@ pub(super) fn spawn(
             };
             let mut packages = None;
             match (&mut order, staged) {
-                (RunOrder::Start { request_id, .. }, Some(staged)) => {
+                (
+                    RunOrder::Start {
+                        request_id, until, ..
+                    },
+                    Some(staged),
+                ) => {
                     fetching.remove(request_id.as_str());
+                    if let Some(later) = renewed.remove(request_id.as_str()) {
+                        *until = (*until).max(later);
+                    }
                     if stopped.contains(request_id.as_str()) {
                         let _ = std::fs::remove_dir_all(staging_dir(&data_dir, request_id));
                         continue;
@@ -130,7 +142,15 @@ pub(super) fn spawn(
                         continue;
                     }
                 }
+                (RunOrder::Renew { request_id, until }, _)
+                    if fetching.contains(request_id.as_str()) =>
+                {
+                    let later = renewed.entry(request_id.clone()).or_insert(*until);
+                    *later = (*later).max(*until);
+                    continue;
+                }
                 (RunOrder::Stop { request_id, .. }, _) => {
+                    renewed.remove(request_id.as_str());
                     stopped.insert(request_id.clone());
                 }
                 _ => {}

@@ -786,6 +786,8 @@ fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
             "--pings",
             "10",
             "--hostile",
+            "--transfer-mib",
+            "8",
             "--json",
             "--dir",
             net.to_str().unwrap(),
@@ -796,6 +798,15 @@ fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
     // Every job of the work phase ran and delivered.
     assert_eq!(r["work_jobs"], 20, "{r}");
     assert_eq!(r["work_submit_to_delivered_ms"]["count"], 20, "{r}");
+    // The transfer phase's output came back whole, and both sides were timed.
+    if nix::unistd::geteuid().is_root() {
+        let t = &r["transfer"];
+        assert_eq!(t["bytes"], 8 << 20, "{r}");
+        assert!(t["completed_to_delivered_ms"].as_u64().unwrap() > 0, "{t}");
+        assert!(t["ratio"].as_f64().unwrap() > 0.0, "{t}");
+    } else {
+        assert!(r["transfer_skipped"].is_string(), "{r}");
+    }
     let h = &r["hostile"];
     assert_eq!(h["receipts_seen"], h["receipts_expected"], "{h}");
     assert_eq!(h["receipts_expected"], 30);

@@ -137,6 +137,31 @@ name = "count.txt"
 max_size = "4KiB"
 "#;
 
+const PAIR: &str = r#"
+name = "pair"
+deadline = "10m"
+bid_window = "2s"
+
+[early]
+first_bids = 2
+
+[[task]]
+name = "pair"
+budget = 600_000
+group_size = 2
+[task.workload]
+adapter = "process"
+bundle = "bundle.tar"
+entrypoint = ["sh", "who.sh"]
+[task.resources]
+cpu = 1
+memory = "256MiB"
+storage = "16MiB"
+[[task.outputs]]
+name = "who.txt"
+max_size = "4KiB"
+"#;
+
 #[test]
 fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() {
     if !nix::unistd::geteuid().is_root() {
@@ -161,6 +186,10 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
             (
                 "count.sh",
                 "wc -c < \"$CANNABIS_INPUTS/up.txt\" | tr -d ' ' > \"$CANNABIS_WORK/count.txt\"\n",
+            ),
+            (
+                "who.sh",
+                "echo \"$CANNABIS_ATTEMPT\" > \"$CANNABIS_WORK/who.txt\"\n",
             ),
         ],
     );
@@ -269,6 +298,52 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
     let left = std::fs::read_dir(&staging).map_or(0, |d| d.count());
     assert_eq!(left, 0, "staging left behind in {}", staging.display());
 
+    // A group of two: each rank runs on its own worker and delivers its own part, which
+    // `job results --wait` keeps apart.
+    std::fs::write(work.join("pair.toml"), PAIR).unwrap();
+    let o = cannabis(
+        requester,
+        &[
+            "job",
+            "submit",
+            work.join("pair.toml").to_str().unwrap(),
+            "--yes",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let published: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let pair = published["job_id"].as_str().unwrap().to_string();
+    let parts = dir.path().join("pair");
+    let o = cannabis(
+        requester,
+        &[
+            "job",
+            "results",
+            &pair,
+            "--out",
+            parts.to_str().unwrap(),
+            "--wait",
+            "--json",
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "{}: {:#?}",
+        String::from_utf8_lossy(&o.stderr),
+        job(requester, &pair).history
+    );
+    let who: Vec<String> = (0..2)
+        .map(|r| std::fs::read_to_string(parts.join(format!("rank-{r}/who.txt"))).unwrap())
+        .collect();
+    assert_ne!(who[0], who[1], "each rank's own attempt wrote its part");
+    let workers: std::collections::BTreeSet<String> = job(requester, &pair).tasks[0]
+        .ranks
+        .iter()
+        .map(|r| r.worker.to_string())
+        .collect();
+    assert_eq!(workers.len(), 2, "two workers ran the group");
+
     // A job whose package the requester does not hold is refused before publication.
     std::fs::write(
         work.join("pinned.toml"),
@@ -338,9 +413,11 @@ fn a_worker_killed_mid_run_is_replaced_and_after_a_restart_neither_runs_nor_deli
     std::fs::create_dir_all(&work).unwrap();
     tar(
         &work,
+        // Longer than an award's 15 s expiry: the run lasts only if the renewal that comes
+        // while the worker fetches the bundle reaches its executor.
         &[(
             "slow.sh",
-            "sleep 12\necho done > \"$CANNABIS_WORK/out.txt\"\n",
+            "sleep 18\necho done > \"$CANNABIS_WORK/out.txt\"\n",
         )],
     );
     std::fs::write(
