@@ -53,22 +53,80 @@ pub fn rank_dir(data_dir: &Path, job: &Uuid, task: u32, rank: u32) -> PathBuf {
         .join(rank.to_string())
 }
 
+/// A writer that hashes what goes through it as transfer-chunk leaves (the Merkle leaves
+/// of the file it writes), so a sealed file is not read again to find them.
+struct LeafWriter<W> {
+    inner: W,
+    leaves: Vec<Digest>,
+    leaf: Sha256,
+    in_leaf: u64,
+}
+
+impl<W: Write> LeafWriter<W> {
+    fn new(inner: W) -> Self {
+        Self {
+            inner,
+            leaves: Vec::new(),
+            leaf: Self::fresh(),
+            in_leaf: 0,
+        }
+    }
+
+    fn fresh() -> Sha256 {
+        let mut h = Sha256::new();
+        h.update([0u8]);
+        h
+    }
+
+    /// The writer, and the leaves of everything written.
+    fn finish(mut self) -> (W, Vec<Digest>) {
+        if self.in_leaf > 0 {
+            let done = std::mem::replace(&mut self.leaf, Self::fresh());
+            self.leaves.push(Digest(done.finalize().into()));
+        }
+        (self.inner, self.leaves)
+    }
+}
+
+impl<W: Write> Write for LeafWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let room = (TRANSFER_CHUNK - self.in_leaf) as usize;
+        let n = self.inner.write(&buf[..buf.len().min(room)])?;
+        self.leaf.update(&buf[..n]);
+        self.in_leaf += n as u64;
+        if self.in_leaf == TRANSFER_CHUNK {
+            let done = std::mem::replace(&mut self.leaf, Self::fresh());
+            self.leaves.push(Digest(done.finalize().into()));
+            self.in_leaf = 0;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// Encrypts a reader's bytes to `to` into `out`, returning the plaintext's digest and
-/// size; more than `cap` bytes is an error (never a truncation).
+/// size and the ciphertext's transfer-chunk leaves; more than `cap` bytes is an error
+/// (never a truncation).
 fn encrypt(
     mut src: impl FnMut(u64) -> io::Result<(Vec<u8>, bool)>,
     to: &DeliveryRecipient,
     out: &mut File,
     cap: u64,
     name: &str,
-) -> Result<(Digest, u64), String> {
+) -> Result<(Digest, u64, Vec<Digest>), String> {
     let recipient = age::x25519::Recipient::from_str(&to.to_string())
         .map_err(|e| format!("the requester's recipient is not an age key: {e}"))?;
     let encryptor =
         age::Encryptor::with_recipients(std::iter::once(&recipient as &dyn age::Recipient))
             .map_err(|e| format!("age: {e}"))?;
     let mut w = encryptor
-        .wrap_output(io::BufWriter::new(&mut *out))
+        .wrap_output(LeafWriter::new(io::BufWriter::with_capacity(
+            1 << 20,
+            &mut *out,
+        )))
         .map_err(|e| format!("writing {name}: {e}"))?;
     let mut hash = Sha256::new();
     let mut size = 0u64;
@@ -87,29 +145,14 @@ fn encrypt(
             break;
         }
     }
-    let mut buf = w.finish().map_err(|e| format!("writing {name}: {e}"))?;
+    let (mut buf, leaves) = w
+        .finish()
+        .map_err(|e| format!("writing {name}: {e}"))?
+        .finish();
     buf.flush().map_err(|e| format!("writing {name}: {e}"))?;
     drop(buf);
     out.sync_all().map_err(|e| format!("writing {name}: {e}"))?;
-    Ok((Digest(hash.finalize().into()), size))
-}
-
-/// The leaf hashes of a file cut in transfer chunks.
-fn leaves_of(path: &Path) -> io::Result<Vec<Digest>> {
-    let mut f = File::open(path)?;
-    let mut buf = vec![0u8; TRANSFER_CHUNK as usize];
-    let mut leaves = Vec::new();
-    loop {
-        let n = read_full(&mut f, &mut buf)?;
-        if n == 0 {
-            break;
-        }
-        leaves.push(merkle::leaf_hash(&buf[..n]));
-        if n < buf.len() {
-            break;
-        }
-    }
-    Ok(leaves)
+    Ok((Digest(hash.finalize().into()), size, leaves))
 }
 
 /// Reads until `buf` is full or the end.
@@ -131,7 +174,7 @@ pub fn seal_bytes_to(
     out: &mut File,
 ) -> Result<(Digest, u64), String> {
     let mut done = false;
-    encrypt(
+    let (digest, size, _) = encrypt(
         |_| {
             let chunk = if done { Vec::new() } else { data.to_vec() };
             done = true;
@@ -141,7 +184,8 @@ pub fn seal_bytes_to(
         out,
         u64::MAX,
         "data",
-    )
+    )?;
+    Ok((digest, size))
 }
 
 /// What a lease's attempt delivers: which outputs, capped how, to whom.
@@ -174,7 +218,7 @@ pub fn seal(
     for (name, cap) in &order.outputs {
         let path = tmp.join(format!("{name}.age"));
         let mut file = File::create(&path).map_err(io)?;
-        let (digest, size) = encrypt(
+        let (digest, size, leaves) = encrypt(
             |offset| {
                 ex.read_output(
                     order.attempt,
@@ -190,7 +234,6 @@ pub fn seal(
             *cap,
             name,
         )?;
-        let leaves = leaves_of(&path).map_err(io)?;
         let bytes: Vec<u8> = leaves.iter().flat_map(|d| d.0).collect();
         fs::write(tmp.join(format!("{name}.leaves")), bytes).map_err(io)?;
         outputs.push(OutputDigest {
@@ -342,7 +385,7 @@ fn seal_file(
     let mut out = File::create(&tmp).map_err(io)?;
     let mut src = File::open(source).map_err(io)?;
     let mut buf = vec![0u8; 1 << 20];
-    let (digest, _) = encrypt(
+    let (digest, _, leaves) = encrypt(
         |_| {
             let n = read_full(&mut src, &mut buf)?;
             Ok((buf[..n].to_vec(), n < buf.len()))
@@ -358,7 +401,6 @@ fn seal_file(
             "the copy kept for it changed since the job was published (digest {digest}, pinned {pinned})"
         ));
     }
-    let leaves = leaves_of(&tmp).map_err(io)?;
     let bytes: Vec<u8> = leaves.iter().flat_map(|d| d.0).collect();
     fs::write(age_file.with_extension("leaves"), bytes).map_err(io)?;
     fs::rename(&tmp, age_file).map_err(io)
@@ -530,8 +572,9 @@ where
         object: object.clone(),
         index,
     };
-    // A window of chunks in flight, taken in order: bounded memory, whatever the size.
-    const WINDOW: u64 = 4;
+    // A window of chunks in flight, taken in order: bounded memory (4 MiB), whatever the
+    // size; wide enough that neither side waits on the other's round trip.
+    const WINDOW: u64 = 16;
     let chunks_of = |size: u64| size.div_ceil(TRANSFER_CHUNK);
     let mut chunks = known.map_or(1, |(size, _)| chunks_of(size));
     let mut next = have;
@@ -658,11 +701,6 @@ where
             max_plain: o.size_bytes,
         };
         let part = part_path(&dir, m.epoch, &o.name);
-        let whole = fetch_object(&part, &object, expect, &ask, &mut |done, _| {
-            progress(before + done, total)
-        })
-        .await?;
-        before += o.cipher_size;
         let check = Check {
             name: o.name.clone(),
             digest: o.digest,
@@ -671,7 +709,42 @@ where
             content_rules: true,
         };
         let out = dir.join(&o.name);
-        open_checked(&whole, &out, check, identity).await?;
+        // Decrypted and checked while it arrives, from the chunks already checked and
+        // written: the transfer and the decryption overlap.
+        let arrived = Arrived::new(part.clone(), o.cipher_size);
+        let opener = {
+            let (arrived, out, identity) = (arrived.clone(), out.clone(), identity.clone());
+            tokio::task::spawn_blocking(move || {
+                open_and_check_from(arrived, &out, &check, &identity)
+            })
+        };
+        let fetched = fetch_object(&part, &object, expect, &ask, &mut |done, _| {
+            arrived.written(done);
+            progress(before + done, total)
+        })
+        .await;
+        let whole = match fetched {
+            // (Also when it was whole before: a fetch ended by a restart after the rename.)
+            Ok(whole) => {
+                arrived.written(o.cipher_size);
+                whole
+            }
+            Err(e) => {
+                arrived.abandon();
+                let _ = opener.await;
+                return Err(e);
+            }
+        };
+        before += o.cipher_size;
+        let opened = opener
+            .await
+            .map_err(|e| FetchError::Transient(e.to_string()))
+            .and_then(|r| r);
+        if let Err(e) = opened {
+            // A file that fails is fetched afresh by the next try.
+            let _ = fs::remove_file(&whole);
+            return Err(e);
+        }
         kept.push(NamedDigest {
             name: o.name.clone(),
             digest: o.digest,
@@ -679,6 +752,103 @@ where
     }
     let _ = fs::remove_dir_all(dir.join(format!(".fetch-{}", m.epoch)));
     Ok(kept)
+}
+
+/// An age file as it arrives: a reader of the bytes a fetch has checked and written so
+/// far, which waits for more until the whole `total` is there, or fails once the fetch
+/// is abandoned.
+#[derive(Clone)]
+struct Arrived(std::sync::Arc<ArrivedInner>);
+
+struct ArrivedInner {
+    part: PathBuf,
+    total: u64,
+    /// Bytes written and checked, and whether the fetch was abandoned.
+    state: std::sync::Mutex<(u64, bool)>,
+    more: std::sync::Condvar,
+    reading: std::sync::Mutex<Option<(File, u64)>>,
+}
+
+impl Arrived {
+    fn new(part: PathBuf, total: u64) -> Self {
+        Self(std::sync::Arc::new(ArrivedInner {
+            part,
+            total,
+            state: std::sync::Mutex::new((0, false)),
+            more: std::sync::Condvar::new(),
+            reading: std::sync::Mutex::new(None),
+        }))
+    }
+
+    /// The fetch has checked and written the first `bytes`.
+    fn written(&self, bytes: u64) {
+        let mut s = self
+            .0
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.0 = s.0.max(bytes);
+        self.0.more.notify_all();
+    }
+
+    /// The fetch ended without the whole file.
+    fn abandon(&self) {
+        let mut s = self
+            .0
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.1 = true;
+        self.0.more.notify_all();
+    }
+}
+
+impl Read for Arrived {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let inner = &self.0;
+        let mut reading = inner
+            .reading
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = reading.as_ref().map_or(0, |r| r.1);
+        if at >= inner.total {
+            return Ok(0);
+        }
+        // Wait until there is something past `at` to read.
+        let ready = {
+            let mut s = inner
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            while s.0 <= at && !s.1 {
+                s = inner
+                    .more
+                    .wait(s)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            if s.1 && s.0 <= at {
+                return Err(io::Error::other(
+                    "the fetch ended before the whole file came",
+                ));
+            }
+            s.0
+        };
+        if reading.is_none() {
+            // The fetch renames the part file once it is whole.
+            let file =
+                File::open(&inner.part).or_else(|_| File::open(inner.part.with_extension("")))?;
+            *reading = Some((file, 0));
+        }
+        let Some((file, pos)) = reading.as_mut() else {
+            return Ok(0);
+        };
+        let want = buf
+            .len()
+            .min(usize::try_from(ready - *pos).unwrap_or(usize::MAX));
+        let n = file.read(&mut buf[..want])?;
+        *pos += n as u64;
+        Ok(n)
+    }
 }
 
 /// What a decrypted file must be.
@@ -723,11 +893,21 @@ fn open_and_check(
     c: &Check,
     identity: &DeliveryIdentity,
 ) -> Result<(), FetchError> {
+    let src = File::open(age_file).map_err(|e| FetchError::Bad(format!("{:?}: {e}", c.name)))?;
+    open_and_check_from(src, out, c, identity)
+}
+
+/// [`open_and_check`] of the age file `src` reads.
+fn open_and_check_from(
+    src: impl Read,
+    out: &Path,
+    c: &Check,
+    identity: &DeliveryIdentity,
+) -> Result<(), FetchError> {
     let bad = |why: String| FetchError::Bad(format!("{:?}: {why}", c.name));
     let secret = identity.to_age_string();
     let id = age::x25519::Identity::from_str(&secret).map_err(|e| bad(e.to_string()))?;
-    let src = File::open(age_file).map_err(|e| bad(e.to_string()))?;
-    let decryptor = age::Decryptor::new(io::BufReader::new(src))
+    let decryptor = age::Decryptor::new(io::BufReader::with_capacity(1 << 20, src))
         .map_err(|e| bad(format!("not an age file: {e}")))?;
     let mut reader = decryptor
         .decrypt(std::iter::once(&id as &dyn age::Identity))
@@ -918,6 +1098,40 @@ fn dtype_bits(dtype: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The leaf hashes of a file cut in transfer chunks, read back.
+    fn leaves_of(path: &Path) -> io::Result<Vec<Digest>> {
+        let mut f = File::open(path)?;
+        let mut buf = vec![0u8; TRANSFER_CHUNK as usize];
+        let mut leaves = Vec::new();
+        loop {
+            let n = read_full(&mut f, &mut buf)?;
+            if n == 0 {
+                break;
+            }
+            leaves.push(merkle::leaf_hash(&buf[..n]));
+        }
+        Ok(leaves)
+    }
+
+    #[test]
+    fn the_leaves_hashed_while_writing_are_those_of_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let chunk = TRANSFER_CHUNK as usize;
+        for size in [0, 1, chunk - 1, chunk, chunk + 1, 3 * chunk + 5] {
+            let data: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
+            let path = dir.path().join(format!("f{size}"));
+            let mut w = LeafWriter::new(File::create(&path).unwrap());
+            // Uneven writes, some across a leaf's end.
+            for piece in data.chunks(100_003) {
+                w.write_all(piece).unwrap();
+            }
+            let (f, leaves) = w.finish();
+            drop(f);
+            assert_eq!(leaves, leaves_of(&path).unwrap(), "size {size}");
+            assert_eq!(leaves.len(), size.div_ceil(chunk), "size {size}");
+        }
+    }
 
     fn tensors(header: &str, data: usize) -> Vec<u8> {
         let mut v = (header.len() as u64).to_le_bytes().to_vec();

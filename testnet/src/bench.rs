@@ -302,9 +302,10 @@ fn time_transfer(net: &Testnet, bytes: u64) -> anyhow::Result<TransferReport> {
         max_bytes: bytes,
         rights: cannabis_protocol::OutputRights::Exclusive,
     }];
+    // The work directory is a tmpfs: the output counts against the memory too.
     t.tasks[0].resources = Resources {
         cpu_millicores: 1000,
-        memory_bytes: 256 << 20,
+        memory_bytes: bytes + (128 << 20),
         swap_bytes: 0,
         processes: 64,
         storage_bytes: bytes + (16 << 20),

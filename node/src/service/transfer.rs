@@ -24,10 +24,10 @@ use cannabis_api as api;
 /// as failed (and is placed again).
 const FETCH_PATIENCE: Duration = Duration::from_secs(120);
 
-/// Most transfer requests of one peer answered at once. A fetch keeps four chunks in
+/// Most transfer requests of one peer answered at once. A fetch keeps 16 chunks in
 /// flight; this allows several fetches of one requester from one worker at once, and caps
 /// what a peer that floods requests makes this node read.
-const MAX_SERVING_PER_PEER: u32 = 32;
+const MAX_SERVING_PER_PEER: u32 = 64;
 
 /// Asks `peer` for one chunk through the node's driver (what every fetch's transport is).
 pub(super) async fn ask_peer(

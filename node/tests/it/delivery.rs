@@ -590,7 +590,7 @@ mod transfer {
     use std::sync::{Arc, Mutex};
 
     use cannabis_node::delivery::{
-        Check, Expect, FetchError, PackageServe, fetch_object, open_checked, seal_bytes_to,
+        Check, Expect, FetchError, PackageServe, fetch, fetch_object, open_checked, seal_bytes_to,
         serve_package,
     };
     use cannabis_protocol::{
@@ -706,10 +706,10 @@ mod transfer {
         assert!(tries[2].0 > tries[1].0, "{tries:?}");
         let asked = wire.lock().unwrap().asked.clone();
         let chunks = (std::fs::metadata(&whole).unwrap().len()).div_ceil(TRANSFER_CHUNK);
-        // Every chunk was asked for; at most the window (4) twice per cut, and the
-        // corrupted one again.
+        // Every chunk was asked for; at most the window (16) again per cut and after the
+        // corrupted one, and that one again.
         assert!(
-            asked.len() as u64 <= chunks + 2 * 4 + 4 + 1,
+            asked.len() as u64 <= chunks + 3 * 16 + 1,
             "{} requests for {chunks} chunks",
             asked.len()
         );
@@ -790,6 +790,119 @@ mod transfer {
         let p = sealed(dir.path(), &data, &me);
         open(&p, good, &me).await.unwrap();
         assert_eq!(std::fs::read(p.with_extension("out")).unwrap(), data);
+    }
+
+    /// A delivery of one output, `data` sealed to `requester`, as its worker would sign
+    /// it; the chunks come from `p` (the same file, as a package is served).
+    fn manifest(data: &[u8], size: u64, root: Digest) -> cannabis_protocol::DeliveryManifest {
+        cannabis_protocol::DeliveryManifest {
+            job_id: Uuid([7; 16]),
+            task: 0,
+            rank: 0,
+            epoch: 1,
+            worker: cannabis_market::testkit::keys(1).address(),
+            requester: cannabis_market::testkit::keys(2).address(),
+            adapter: cannabis_protocol::AdapterKind::Process,
+            bundle: Digest([1; 32]),
+            inputs: Vec::new(),
+            exit_code: Some(0),
+            outputs: vec![cannabis_protocol::OutputDigest {
+                name: "blob.bin".into(),
+                digest: Digest::of(data),
+                size_bytes: data.len() as u64,
+                cipher_size: size,
+                cipher_root: root,
+            }],
+            configuration: Vec::new(),
+            datasets: Vec::new(),
+            models: Vec::new(),
+            dependencies: Vec::new(),
+            hardware: String::new(),
+            usage: Default::default(),
+            evaluation: None,
+            issued_at: cannabis_protocol::Timestamp(0),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_output_opened_while_it_arrives_survives_cuts_and_a_lost_fetch_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let requester = DeliveryIdentity::from_secret([5; 32]);
+        let data = bytes(16 << 20);
+        let p = package(dir.path(), &data, &requester);
+        let served = dir.path().join("served");
+        let lock = std::sync::Mutex::new(());
+        let trees = cannabis_node::delivery::Trees::default();
+        // What the fetch will ask for (the package file stands for the sealed output).
+        let first = TransferRequest {
+            object: ObjectRef {
+                kind: ObjectKind::Output,
+                name: "blob.bin".into(),
+                ..object()
+            },
+            index: 0,
+        };
+        let TransferResponse::Chunk { size, root, .. } =
+            serve_package(&served, &p, &first, &lock, &trees)
+        else {
+            panic!("not served")
+        };
+        let m = manifest(&data, size, root);
+        let ours = dir.path().join("requester");
+        let kept = cannabis_node::delivery::rank_dir(&ours, &m.job_id, 0, 0).join("blob.bin");
+        // A fetch whose connection goes for good after 20 chunks: nothing is opened.
+        let asked = Mutex::new(0usize);
+        let lost = |req: TransferRequest| {
+            let n = {
+                let mut a = asked.lock().unwrap();
+                *a += 1;
+                *a
+            };
+            let r = serve_package(&served, &p, &req, &lock, &trees);
+            async move {
+                if n > 20 {
+                    Err("connection closed".to_string())
+                } else {
+                    Ok(r)
+                }
+            }
+        };
+        let r = fetch(&ours, &requester, &m, lost, |_, _| {}).await;
+        assert!(matches!(r, Err(FetchError::Transient(_))), "{r:?}");
+        assert!(!kept.exists());
+        assert!(!kept.with_extension("checking").exists());
+        // Then two more tries, the first cut again: the last resumes and opens it whole.
+        let wire = Arc::new(Mutex::new(Wire {
+            cut_at_request: vec![15],
+            ..Wire::default()
+        }));
+        let ask = |req: TransferRequest| {
+            let wire = wire.clone();
+            let response = serve_package(&served, &p, &req, &lock, &trees);
+            async move {
+                let mut w = wire.lock().unwrap();
+                w.asked.push(req.index);
+                if w.cut_at_request.contains(&w.asked.len()) {
+                    return Err("connection closed".to_string());
+                }
+                Ok(response)
+            }
+        };
+        let r = fetch(&ours, &requester, &m, ask, |_, _| {}).await;
+        assert!(matches!(r, Err(FetchError::Transient(_))), "{r:?}");
+        let got = fetch(&ours, &requester, &m, ask, |_, _| {}).await.unwrap();
+        assert_eq!(got[0].digest, Digest::of(&data));
+        assert!(
+            std::fs::read(&kept).unwrap() == data,
+            "the bytes kept are the output"
+        );
+        // Resumed: the chunks kept by the first tries were not asked for again.
+        let chunks = size.div_ceil(TRANSFER_CHUNK) as usize;
+        assert!(
+            wire.lock().unwrap().asked.len() < chunks,
+            "{:?}",
+            wire.lock().unwrap().asked
+        );
     }
 
     #[tokio::test]
