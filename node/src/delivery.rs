@@ -560,14 +560,28 @@ where
         .write(true)
         .open(part)
         .map_err(io)?;
-    // Resume at the last whole chunk kept (nothing, when the size and root are not known).
+    // The leaf hash of every chunk kept, beside the part file. Neither is synced: a fetch
+    // is on its way, and what is made durable is the checked plaintext it becomes. So a
+    // resumed fetch hashes the chunks kept again and keeps them only as far as they match
+    // (after a crash of the machine, the tail of either file may be lost or torn).
+    let kept_path = part.with_extension("kept");
     let have = if known.is_some() {
-        file.metadata().map_err(io)?.len() / TRANSFER_CHUNK
+        let whole = file.metadata().map_err(io)?.len() / TRANSFER_CHUNK;
+        let kept = fs::read(&kept_path).unwrap_or_default();
+        matching_prefix(&mut file, &kept, whole).map_err(io)?
     } else {
         0
     };
     file.set_len(have * TRANSFER_CHUNK).map_err(io)?;
     file.seek(SeekFrom::End(0)).map_err(io)?;
+    let mut kept_file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&kept_path)
+        .map_err(io)?;
+    kept_file.set_len(have * 32).map_err(io)?;
+    kept_file.seek(SeekFrom::End(0)).map_err(io)?;
     let request = |index| TransferRequest {
         object: object.clone(),
         index,
@@ -631,12 +645,13 @@ where
         let expected = size
             .saturating_sub(index * TRANSFER_CHUNK)
             .min(TRANSFER_CHUNK);
+        let leaf = merkle::leaf_hash(&data);
         let checked = merkle::InclusionProof {
             index,
             tree_size: chunks,
             path: proof,
         }
-        .verify(&data, &root);
+        .verify_leaf_hash(&leaf, &root);
         if data.len() as u64 != expected || checked.is_err() {
             // A corrupted chunk: ask again, from it on.
             retries += 1;
@@ -650,6 +665,7 @@ where
             next = index;
         } else {
             file.write_all(&data).map_err(io)?;
+            kept_file.write_all(&leaf.0).map_err(io)?;
             index += 1;
             progress((index * TRANSFER_CHUNK).min(size), size);
         }
@@ -658,10 +674,27 @@ where
             next += 1;
         }
     }
-    file.sync_all().map_err(io)?;
     fs::rename(part, &whole).map_err(io)?;
     let _ = fs::remove_file(&learned_path);
+    let _ = fs::remove_file(&kept_path);
     Ok(whole)
+}
+
+/// How many of the first `whole` chunks of `file` still hash to the leaves `kept` lists.
+fn matching_prefix(file: &mut File, kept: &[u8], whole: u64) -> io::Result<u64> {
+    file.seek(SeekFrom::Start(0))?;
+    let mut buf = vec![0u8; TRANSFER_CHUNK as usize];
+    let mut n = 0;
+    for leaf in kept
+        .chunks_exact(32)
+        .take(usize::try_from(whole).unwrap_or(usize::MAX))
+    {
+        if read_full(file, &mut buf)? < buf.len() || merkle::leaf_hash(&buf).0 != leaf {
+            break;
+        }
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// The partial age file of one output of a fetch.

@@ -792,6 +792,68 @@ mod transfer {
         assert_eq!(std::fs::read(p.with_extension("out")).unwrap(), data);
     }
 
+    #[tokio::test]
+    async fn a_resumed_fetch_keeps_only_the_chunks_that_still_match() {
+        // The part file is not synced: after a machine crash its tail may be torn. The
+        // resumed fetch hashes what was kept again and asks again from the first chunk
+        // that does not match.
+        let dir = tempfile::tempdir().unwrap();
+        let worker = DeliveryIdentity::from_secret([3; 32]);
+        let data = bytes(4 << 20);
+        let p = package(dir.path(), &data, &worker);
+        let served = dir.path().join("served");
+        let lock = std::sync::Mutex::new(());
+        let trees = cannabis_node::delivery::Trees::default();
+        let wire = Arc::new(Mutex::new(Wire {
+            cut_at_request: vec![12],
+            ..Wire::default()
+        }));
+        let ask = |req: TransferRequest| {
+            let wire = wire.clone();
+            let response = serve_package(&served, &p, &req, &lock, &trees);
+            async move {
+                let mut w = wire.lock().unwrap();
+                w.asked.push(req.index);
+                if w.cut_at_request.contains(&w.asked.len()) {
+                    return Err("connection closed".to_string());
+                }
+                Ok(response)
+            }
+        };
+        let part = dir.path().join("fetch").join("bundle.age.part");
+        let expect = Expect {
+            known: None,
+            max_plain: 5 << 20,
+        };
+        let r = fetch_object(&part, &object(), expect, &ask, &mut |_, _| {}).await;
+        assert!(matches!(r, Err(FetchError::Transient(_))), "{r:?}");
+        let kept = std::fs::metadata(&part).unwrap().len() / TRANSFER_CHUNK;
+        assert!(kept >= 6, "{kept} chunks kept");
+        // Chunk 4 torn on disk.
+        let mut torn = std::fs::read(&part).unwrap();
+        torn[4 * TRANSFER_CHUNK as usize + 17] ^= 0x55;
+        std::fs::write(&part, torn).unwrap();
+        let before = wire.lock().unwrap().asked.len();
+        let whole = fetch_object(&part, &object(), expect, &ask, &mut |_, _| {})
+            .await
+            .unwrap();
+        assert_eq!(
+            wire.lock().unwrap().asked[before],
+            4,
+            "asked again from chunk 4"
+        );
+        let out = dir.path().join("bundle.tar");
+        let check = Check {
+            name: "bundle".into(),
+            digest: Digest::of(&data),
+            size: Some(data.len() as u64),
+            max: 5 << 20,
+            content_rules: false,
+        };
+        open_checked(&whole, &out, check, &worker).await.unwrap();
+        assert!(std::fs::read(&out).unwrap() == data);
+    }
+
     /// A delivery of one output, `data` sealed to `requester`, as its worker would sign
     /// it; the chunks come from `p` (the same file, as a package is served).
     fn manifest(data: &[u8], size: u64, root: Digest) -> cannabis_protocol::DeliveryManifest {
