@@ -154,31 +154,57 @@ fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64, u64)> {
     t.early = Some(cannabis_market::job::Early::FirstBids(group));
     let origin = &net.nodes[0].client;
     let job = origin.submit_job(&t)?;
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let (_, at) = await_events(
+        origin,
+        &job.job_id,
+        &[
+            &["offer published"],
+            &["placed (attempt 1)"],
+            &["every rank holds"],
+        ],
+        Duration::from_secs(60),
+        "the benchmark job's leases",
+    )?;
+    Ok((group, at[1].ms_since(at[0]), at[2].ms_since(at[1])))
+}
+
+/// Polls `client`'s job `job_id` until its history holds each of `events` (each given as
+/// alternatives: the first line that contains any of them): their times, and the job
+/// then. Fails when the task fails, or after `within`.
+fn await_events(
+    client: &cannabis_api::ApiClient,
+    job_id: &str,
+    events: &[&[&str]],
+    within: Duration,
+    what: &str,
+) -> anyhow::Result<(cannabis_api::JobDetail, Vec<cannabis_protocol::Timestamp>)> {
+    let deadline = Instant::now() + within;
     loop {
-        let detail = origin.job(&job.job_id)?;
-        let at = |text: &str| {
-            detail
-                .history
-                .iter()
-                .find(|e| e.text.contains(text))
-                .map(|e| e.at)
-        };
-        if let (Some(start), Some(placed), Some(done)) = (
-            at("offer published"),
-            at("placed (attempt 1)"),
-            at("every rank holds"),
-        ) {
-            return Ok((group, placed.ms_since(start), done.ms_since(placed)));
+        let detail = client.job(job_id)?;
+        let at: Option<Vec<_>> = events
+            .iter()
+            .map(|any| {
+                any.iter().find_map(|text| {
+                    detail
+                        .history
+                        .iter()
+                        .find(|e| e.text.contains(text))
+                        .map(|e| e.at)
+                })
+            })
+            .collect();
+        if let Some(at) = at {
+            return Ok((detail, at));
         }
         if let status @ cannabis_market::job::TaskStatus::Failed(_) = &detail.tasks[0].status {
-            anyhow::bail!("the benchmark job {status}");
+            anyhow::bail!("{what}: the job {status}");
         }
         anyhow::ensure!(
             Instant::now() < deadline,
-            "the benchmark job was not leased within 60 s"
+            "{what}: not within {} s",
+            within.as_secs()
         );
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -234,35 +260,21 @@ fn time_work(net: &Testnet) -> anyhow::Result<(Vec<u64>, Vec<u64>)> {
         t.deadline_ms = 600_000;
         t.early = Some(cannabis_market::job::Early::FirstBids(1));
         let job = origin.submit_job(&t)?;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let detail = origin.job(&job.job_id)?;
-            let at = |text: &str| {
-                detail
-                    .history
-                    .iter()
-                    .find(|e| e.text.contains(text))
-                    .map(|e| e.at)
-            };
-            // A stage shorter than the worker's look (200 ms) may go unreported: a run
-            // reported completed without "running" started no later than that.
-            let run = at("): running").or_else(|| at("): completed"));
-            if let (Some(start), Some(run), Some(done)) =
-                (at("offer published"), run, at("task done"))
-            {
-                running.push(run.ms_since(start));
-                delivered.push(done.ms_since(start));
-                break;
-            }
-            if let status @ cannabis_market::job::TaskStatus::Failed(_) = &detail.tasks[0].status {
-                anyhow::bail!("benchmark job {k} {status}");
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "benchmark job {k} was not delivered within 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        // A stage shorter than the worker's look (200 ms) may go unreported: a run
+        // reported completed without "running" started no later than that.
+        let (_, at) = await_events(
+            origin,
+            &job.job_id,
+            &[
+                &["offer published"],
+                &["): running", "): completed"],
+                &["task done"],
+            ],
+            Duration::from_secs(60),
+            &format!("benchmark job {k}"),
+        )?;
+        running.push(at[1].ms_since(at[0]));
+        delivered.push(at[2].ms_since(at[0]));
     }
     Ok((running, delivered))
 }
@@ -316,32 +328,14 @@ fn time_transfer(net: &Testnet, bytes: u64) -> anyhow::Result<TransferReport> {
     t.deadline_ms = 600_000;
     t.early = Some(cannabis_market::job::Early::FirstBids(1));
     let job = origin.client.submit_job(&t)?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let (detail, completed, manifest, done) = loop {
-        let detail = origin.client.job(&job.job_id)?;
-        let at = |text: &str| {
-            detail
-                .history
-                .iter()
-                .find(|e| e.text.contains(text))
-                .map(|e| e.at)
-        };
-        if let (Some(c), Some(m), Some(d)) = (
-            at("): completed"),
-            at("delivered a manifest"),
-            at("task done"),
-        ) {
-            break (detail, c, m, d);
-        }
-        if let status @ cannabis_market::job::TaskStatus::Failed(_) = &detail.tasks[0].status {
-            anyhow::bail!("the transfer benchmark's job {status}");
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the transfer benchmark's job was not delivered within 300 s"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (detail, at) = await_events(
+        &origin.client,
+        &job.job_id,
+        &[&["): completed"], &["delivered a manifest"], &["task done"]],
+        Duration::from_secs(300),
+        "the transfer benchmark's job",
+    )?;
+    let (completed, manifest, done) = (at[0], at[1], at[2]);
     let out = detail.tasks[0]
         .delivered
         .iter()

@@ -642,24 +642,42 @@ mod transfer {
         corrupt_once: Vec<u64>,
     }
 
-    #[tokio::test]
-    async fn a_64_mib_package_cut_twice_resumes_from_the_right_chunks_and_arrives_whole() {
-        let dir = tempfile::tempdir().unwrap();
-        let worker = DeliveryIdentity::from_secret([3; 32]);
-        let data = bytes(64 << 20);
-        let p = package(dir.path(), &data, &worker);
-        let served = dir.path().join("served");
-        let lock = std::sync::Mutex::new(());
-        let trees = cannabis_node::delivery::Trees::default();
-        let wire = Arc::new(Mutex::new(Wire {
-            cut_at_request: vec![40, 170],
-            corrupt_once: vec![100],
-            ..Wire::default()
-        }));
-        let ask = |req: TransferRequest| {
+    /// A requester serving one package from `served` (its sealed copies' folder).
+    struct Server {
+        served: PathBuf,
+        p: PackageServe,
+        lock: std::sync::Mutex<()>,
+        trees: cannabis_node::delivery::Trees,
+    }
+
+    impl Server {
+        fn new(dir: &Path, p: PackageServe) -> Self {
+            Self {
+                served: dir.join("served"),
+                p,
+                lock: std::sync::Mutex::new(()),
+                trees: Default::default(),
+            }
+        }
+
+        fn serve(&self, req: &TransferRequest) -> TransferResponse {
+            serve_package(&self.served, &self.p, req, &self.lock, &self.trees)
+        }
+    }
+
+    type Answer =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<TransferResponse, String>>>>;
+
+    /// The fetcher's transport to `server` through `wire`: each request is recorded, and
+    /// cut or its chunk corrupted as `wire` says.
+    fn wired<'a>(
+        wire: &'a Arc<Mutex<Wire>>,
+        server: &'a Server,
+    ) -> impl Fn(TransferRequest) -> Answer + 'a {
+        move |req: TransferRequest| {
             let wire = wire.clone();
-            let response = serve_package(&served, &p, &req, &lock, &trees);
-            async move {
+            let response = server.serve(&req);
+            Box::pin(async move {
                 let mut w = wire.lock().unwrap();
                 w.asked.push(req.index);
                 let n = w.asked.len();
@@ -674,8 +692,22 @@ mod transfer {
                     }
                 }
                 Ok(response)
-            }
-        };
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_64_mib_package_cut_twice_resumes_from_the_right_chunks_and_arrives_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let worker = DeliveryIdentity::from_secret([3; 32]);
+        let data = bytes(64 << 20);
+        let server = Server::new(dir.path(), package(dir.path(), &data, &worker));
+        let wire = Arc::new(Mutex::new(Wire {
+            cut_at_request: vec![40, 170],
+            corrupt_once: vec![100],
+            ..Wire::default()
+        }));
+        let ask = wired(&wire, &server);
         let part = dir.path().join("fetch").join("bundle.age.part");
         let expect = Expect {
             known: None,
@@ -800,26 +832,12 @@ mod transfer {
         let dir = tempfile::tempdir().unwrap();
         let worker = DeliveryIdentity::from_secret([3; 32]);
         let data = bytes(4 << 20);
-        let p = package(dir.path(), &data, &worker);
-        let served = dir.path().join("served");
-        let lock = std::sync::Mutex::new(());
-        let trees = cannabis_node::delivery::Trees::default();
+        let server = Server::new(dir.path(), package(dir.path(), &data, &worker));
         let wire = Arc::new(Mutex::new(Wire {
             cut_at_request: vec![12],
             ..Wire::default()
         }));
-        let ask = |req: TransferRequest| {
-            let wire = wire.clone();
-            let response = serve_package(&served, &p, &req, &lock, &trees);
-            async move {
-                let mut w = wire.lock().unwrap();
-                w.asked.push(req.index);
-                if w.cut_at_request.contains(&w.asked.len()) {
-                    return Err("connection closed".to_string());
-                }
-                Ok(response)
-            }
-        };
+        let ask = wired(&wire, &server);
         let part = dir.path().join("fetch").join("bundle.age.part");
         let expect = Expect {
             known: None,
@@ -891,10 +909,7 @@ mod transfer {
         let dir = tempfile::tempdir().unwrap();
         let requester = DeliveryIdentity::from_secret([5; 32]);
         let data = bytes(16 << 20);
-        let p = package(dir.path(), &data, &requester);
-        let served = dir.path().join("served");
-        let lock = std::sync::Mutex::new(());
-        let trees = cannabis_node::delivery::Trees::default();
+        let server = Server::new(dir.path(), package(dir.path(), &data, &requester));
         // What the fetch will ask for (the package file stands for the sealed output).
         let first = TransferRequest {
             object: ObjectRef {
@@ -904,32 +919,18 @@ mod transfer {
             },
             index: 0,
         };
-        let TransferResponse::Chunk { size, root, .. } =
-            serve_package(&served, &p, &first, &lock, &trees)
-        else {
+        let TransferResponse::Chunk { size, root, .. } = server.serve(&first) else {
             panic!("not served")
         };
         let m = manifest(&data, size, root);
         let ours = dir.path().join("requester");
         let kept = cannabis_node::delivery::rank_dir(&ours, &m.job_id, 0, 0).join("blob.bin");
         // A fetch whose connection goes for good after 20 chunks: nothing is opened.
-        let asked = Mutex::new(0usize);
-        let lost = |req: TransferRequest| {
-            let n = {
-                let mut a = asked.lock().unwrap();
-                *a += 1;
-                *a
-            };
-            let r = serve_package(&served, &p, &req, &lock, &trees);
-            async move {
-                if n > 20 {
-                    Err("connection closed".to_string())
-                } else {
-                    Ok(r)
-                }
-            }
-        };
-        let r = fetch(&ours, &requester, &m, lost, |_, _| {}).await;
+        let gone = Arc::new(Mutex::new(Wire {
+            cut_at_request: (21..10_000).collect(),
+            ..Wire::default()
+        }));
+        let r = fetch(&ours, &requester, &m, wired(&gone, &server), |_, _| {}).await;
         assert!(matches!(r, Err(FetchError::Transient(_))), "{r:?}");
         assert!(!kept.exists());
         assert!(!kept.with_extension("checking").exists());
@@ -938,21 +939,10 @@ mod transfer {
             cut_at_request: vec![15],
             ..Wire::default()
         }));
-        let ask = |req: TransferRequest| {
-            let wire = wire.clone();
-            let response = serve_package(&served, &p, &req, &lock, &trees);
-            async move {
-                let mut w = wire.lock().unwrap();
-                w.asked.push(req.index);
-                if w.cut_at_request.contains(&w.asked.len()) {
-                    return Err("connection closed".to_string());
-                }
-                Ok(response)
-            }
-        };
-        let r = fetch(&ours, &requester, &m, ask, |_, _| {}).await;
+        let ask = wired(&wire, &server);
+        let r = fetch(&ours, &requester, &m, &ask, |_, _| {}).await;
         assert!(matches!(r, Err(FetchError::Transient(_))), "{r:?}");
-        let got = fetch(&ours, &requester, &m, ask, |_, _| {}).await.unwrap();
+        let got = fetch(&ours, &requester, &m, &ask, |_, _| {}).await.unwrap();
         assert_eq!(got[0].digest, Digest::of(&data));
         assert!(
             std::fs::read(&kept).unwrap() == data,
@@ -972,14 +962,11 @@ mod transfer {
         let dir = tempfile::tempdir().unwrap();
         let worker = DeliveryIdentity::from_secret([3; 32]);
         let data = bytes(3 << 20);
-        let p = package(dir.path(), &data, &worker);
-        let served = dir.path().join("served");
-        let lock = std::sync::Mutex::new(());
-        let trees = cannabis_node::delivery::Trees::default();
+        let server = Server::new(dir.path(), package(dir.path(), &data, &worker));
         let asked = Mutex::new(0);
         let ask = |req: TransferRequest| {
             *asked.lock().unwrap() += 1;
-            let r = serve_package(&served, &p, &req, &lock, &trees);
+            let r = server.serve(&req);
             async move { Ok(r) }
         };
         let part = dir.path().join("f").join("bundle.age.part");
