@@ -116,7 +116,7 @@ pub struct BenchReport {
     /// Single synthetic jobs placed on their first bid, one after another.
     pub work_jobs: usize,
     /// From an offer's publication to its worker reporting the run started (or, for a run
-    /// shorter than the worker's 200 ms look, completed) (ms).
+    /// shorter than the pause between the worker's looks, completed) (ms).
     pub work_submit_to_running_ms: Summary,
     /// From an offer's publication to its outputs fetched, checked and the task done (ms).
     pub work_submit_to_delivered_ms: Summary,
@@ -260,7 +260,7 @@ fn time_work(net: &Testnet) -> anyhow::Result<(Vec<u64>, Vec<u64>)> {
         t.deadline_ms = 600_000;
         t.early = Some(cannabis_market::job::Early::FirstBids(1));
         let job = origin.submit_job(&t)?;
-        // A stage shorter than the worker's look (200 ms) may go unreported: a run
+        // A stage shorter than the pause between the worker's looks may go unreported: a run
         // reported completed without "running" started no later than that.
         let (_, at) = await_events(
             origin,

@@ -317,7 +317,12 @@ impl PackageFetch {
     }
 }
 
-/// How often a leased attempt is looked at for a new stage.
+/// How often a leased attempt is looked at for a new stage: soon after it starts (a
+/// sandbox is up within tens of milliseconds, and the requester waits for "running"),
+/// then less often, up to `WATCH_EVERY`.
+const WATCH_FIRST: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// See [`WATCH_FIRST`].
 const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Where a leased attempt's outputs go once it completes.
@@ -335,14 +340,22 @@ struct Delivery {
 async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
     let request_id = d.request_id.clone();
     let mut last = None;
+    let mut pause = WATCH_FIRST;
+    // The attempt's id once found: then it is read alone, not found among every attempt.
+    let mut known: Option<String> = None;
     loop {
-        let (ex2, id) = (ex.clone(), request_id.clone());
-        let found = tokio::task::spawn_blocking(move || attempt_for(&ex2, &id)).await;
+        let (ex2, id, known2) = (ex.clone(), request_id.clone(), known.clone());
+        let found = tokio::task::spawn_blocking(move || match known2 {
+            Some(attempt) => ex2.get(&attempt).map(Some),
+            None => attempt_for(&ex2, &id),
+        })
+        .await;
         let attempt = match found {
             Ok(Ok(Some(a))) => a,
             // Not admitted (the order failed) or the executor is gone: nothing to report.
             _ => return,
         };
+        known = Some(attempt.id.clone());
         let stage = stage_of(&attempt);
         if last != Some(stage) {
             last = Some(stage);
@@ -383,7 +396,8 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
         if stage.is_final() {
             return;
         }
-        tokio::time::sleep(WATCH_EVERY).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(WATCH_EVERY);
     }
 }
 
