@@ -744,26 +744,31 @@ where
         let out = dir.join(&o.name);
         // Decrypted and checked while it arrives, from the chunks already checked and
         // written: the transfer and the decryption overlap.
-        let arrived = Arrived::new(part.clone(), o.cipher_size);
+        let arrival = Arrival::new(part.clone(), o.cipher_size);
         let opener = {
-            let (arrived, out, identity) = (arrived.clone(), out.clone(), identity.clone());
+            let arrived = Arrived {
+                arrival: arrival.clone(),
+                file: None,
+                pos: 0,
+            };
+            let (out, identity) = (out.clone(), identity.clone());
             tokio::task::spawn_blocking(move || {
                 open_and_check_from(arrived, &out, &check, &identity)
             })
         };
         let fetched = fetch_object(&part, &object, expect, &ask, &mut |done, _| {
-            arrived.written(done);
+            arrival.written(done);
             progress(before + done, total)
         })
         .await;
         let whole = match fetched {
             // (Also when it was whole before: a fetch ended by a restart after the rename.)
             Ok(whole) => {
-                arrived.written(o.cipher_size);
+                arrival.written(o.cipher_size);
                 whole
             }
             Err(e) => {
-                arrived.abandon();
+                arrival.abandon();
                 let _ = opener.await;
                 return Err(e);
             }
@@ -787,99 +792,89 @@ where
     Ok(kept)
 }
 
-/// An age file as it arrives: a reader of the bytes a fetch has checked and written so
-/// far, which waits for more until the whole `total` is there, or fails once the fetch
-/// is abandoned.
-#[derive(Clone)]
-struct Arrived(std::sync::Arc<ArrivedInner>);
-
-struct ArrivedInner {
+/// How far a fetch has come: the bytes of its part file checked and written so far, and
+/// whether it was abandoned. The fetch moves it on; an [`Arrived`] reads behind it.
+struct Arrival {
     part: PathBuf,
     total: u64,
-    /// Bytes written and checked, and whether the fetch was abandoned.
     state: std::sync::Mutex<(u64, bool)>,
     more: std::sync::Condvar,
-    reading: std::sync::Mutex<Option<(File, u64)>>,
 }
 
-impl Arrived {
-    fn new(part: PathBuf, total: u64) -> Self {
-        Self(std::sync::Arc::new(ArrivedInner {
+impl Arrival {
+    fn new(part: PathBuf, total: u64) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self {
             part,
             total,
             state: std::sync::Mutex::new((0, false)),
             more: std::sync::Condvar::new(),
-            reading: std::sync::Mutex::new(None),
-        }))
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, (u64, bool)> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The fetch has checked and written the first `bytes`.
     fn written(&self, bytes: u64) {
-        let mut s = self
-            .0
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut s = self.state();
         s.0 = s.0.max(bytes);
-        self.0.more.notify_all();
+        self.more.notify_all();
     }
 
     /// The fetch ended without the whole file.
     fn abandon(&self) {
-        let mut s = self
-            .0
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        s.1 = true;
-        self.0.more.notify_all();
+        self.state().1 = true;
+        self.more.notify_all();
     }
+
+    /// Waits until more than `at` bytes are in: how many, or an error once abandoned.
+    fn past(&self, at: u64) -> io::Result<u64> {
+        let mut s = self.state();
+        while s.0 <= at && !s.1 {
+            s = self
+                .more
+                .wait(s)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        if s.0 <= at {
+            return Err(io::Error::other(
+                "the fetch ended before the whole file came",
+            ));
+        }
+        Ok(s.0)
+    }
+}
+
+/// An age file as it arrives: reads the bytes its fetch has checked and written, waiting
+/// for more until the whole file is there.
+struct Arrived {
+    arrival: std::sync::Arc<Arrival>,
+    file: Option<File>,
+    pos: u64,
 }
 
 impl Read for Arrived {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let inner = &self.0;
-        let mut reading = inner
-            .reading
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let at = reading.as_ref().map_or(0, |r| r.1);
-        if at >= inner.total {
+        let a = &self.arrival;
+        if self.pos >= a.total {
             return Ok(0);
         }
-        // Wait until there is something past `at` to read.
-        let ready = {
-            let mut s = inner
-                .state
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            while s.0 <= at && !s.1 {
-                s = inner
-                    .more
-                    .wait(s)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-            }
-            if s.1 && s.0 <= at {
-                return Err(io::Error::other(
-                    "the fetch ended before the whole file came",
-                ));
-            }
-            s.0
-        };
-        if reading.is_none() {
+        let ready = a.past(self.pos)?;
+        let file = match &mut self.file {
+            Some(f) => f,
             // The fetch renames the part file once it is whole.
-            let file =
-                File::open(&inner.part).or_else(|_| File::open(inner.part.with_extension("")))?;
-            *reading = Some((file, 0));
-        }
-        let Some((file, pos)) = reading.as_mut() else {
-            return Ok(0);
+            None => self
+                .file
+                .insert(File::open(&a.part).or_else(|_| File::open(a.part.with_extension("")))?),
         };
         let want = buf
             .len()
-            .min(usize::try_from(ready - *pos).unwrap_or(usize::MAX));
+            .min(usize::try_from(ready - self.pos).unwrap_or(usize::MAX));
         let n = file.read(&mut buf[..want])?;
-        *pos += n as u64;
+        self.pos += n as u64;
         Ok(n)
     }
 }

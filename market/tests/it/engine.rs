@@ -303,8 +303,8 @@ fn a_job_the_first_draw_misses(early: bool) -> (Net, Uuid, Vec<Address>) {
 }
 
 /// Moves `net` on in steps of `step_ms` until the job's task is no longer bidding (at
-/// most `steps` times); the time reached.
-fn until_placed(net: &mut Net, job: &Uuid, step_ms: u64, steps: u32) -> Timestamp {
+/// most `steps` times), and checks that it then runs: the time reached.
+fn until_running(net: &mut Net, job: &Uuid, step_ms: u64, steps: u32) -> Timestamp {
     let mut now = T0;
     for _ in 0..steps {
         let j = net.nodes[0].market.job(job).unwrap();
@@ -315,6 +315,13 @@ fn until_placed(net: &mut Net, job: &Uuid, step_ms: u64, steps: u32) -> Timestam
         net.tick(now);
         net.settle(now);
     }
+    let j = net.nodes[0].market.job(job).unwrap();
+    assert_eq!(
+        j.tasks()[0].status(),
+        &TaskStatus::Running,
+        "{:?}",
+        j.history()
+    );
     now
 }
 
@@ -324,14 +331,8 @@ fn a_call_that_draws_too_few_bids_is_widened() {
     // placed.
     let (mut net, job, big) = a_job_the_first_draw_misses(false);
     let first = net.nodes[0].market.job(&job).unwrap().offer().calls[0];
-    until_placed(&mut net, &job, WINDOW, 12);
+    until_running(&mut net, &job, WINDOW, 12);
     let j = net.nodes[0].market.job(&job).unwrap();
-    assert_eq!(
-        j.tasks()[0].status(),
-        &TaskStatus::Running,
-        "{:?}",
-        j.history()
-    );
     let widened = net.nodes[0]
         .events
         .iter()
@@ -349,14 +350,8 @@ fn an_early_job_whose_draw_misses_is_widened_without_waiting_for_its_window() {
     // Placed early, the job looks at its bids EARLY_LOOK_MS after each version: the
     // widened calls go out then, and it runs long before one window has passed.
     let (mut net, job, _) = a_job_the_first_draw_misses(true);
-    let placed = until_placed(&mut net, &job, 100, 200);
+    let placed = until_running(&mut net, &job, 100, 200);
     let j = net.nodes[0].market.job(&job).unwrap();
-    assert_eq!(
-        j.tasks()[0].status(),
-        &TaskStatus::Running,
-        "{:?}",
-        j.history()
-    );
     let waited = placed.ms_since(T0);
     assert!(
         (cannabis_market::job::EARLY_LOOK_MS..WINDOW).contains(&waited),
