@@ -40,6 +40,7 @@ mod engine;
 pub mod fanin;
 pub mod job;
 pub mod lease;
+pub mod ledger;
 pub mod matching;
 pub mod placement;
 pub mod quote;

@@ -42,6 +42,7 @@ mod codec;
 pub mod draw;
 #[doc(hidden)]
 pub mod fuzzing;
+mod genesis;
 mod identity;
 pub mod merkle;
 mod messages;
@@ -56,6 +57,7 @@ pub use codec::{
     DecodeError, Invalid, Message, Wire, decode, decode_with_limit, encode, to_canonical,
 };
 pub use draw::BidCall;
+pub use genesis::{Allocation, Faucet, Genesis, GenesisError, Rewards, Vesting};
 pub use identity::{
     ADDRESS_HRP, Address, AddressError, BadSignature, DeliveryIdentity, DeliveryRecipient,
     KeyError, Keypair,

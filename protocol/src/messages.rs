@@ -24,8 +24,8 @@ pub use directed::{
     ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
 };
 pub use ledger::{
-    Block, BlockError, BlockHeader, EscrowAssign, EscrowLock, EscrowSettle, ResultCommit,
-    SUBMIT_RESULT_GAS_LIMIT, Transaction, TxError, TxPayload, TxType, compute_leaves,
+    Block, BlockError, BlockHeader, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle,
+    ResultCommit, SUBMIT_RESULT_GAS_LIMIT, Transaction, TxError, TxPayload, TxType, compute_leaves,
 };
 pub use market::{
     Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, RosterEntry, RunReport,

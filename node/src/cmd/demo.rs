@@ -407,6 +407,8 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
             fee: offer.body.fee.clone(),
             deadline: offer.body.deadline,
             review_window_ms: offer.body.review_window_ms,
+            resolver: sequencer.address(),
+            ranks: 1,
         }),
     )?;
     let genesis = Block::build(

@@ -56,8 +56,11 @@ pub enum TxPayload {
     ResultCommit(ResultCommit),
     /// The requester disputes a delivery inside the review window.
     EscrowDispute(EscrowSettle),
-    /// Settle an assignment: accept, partially accept, reject, refund, release, resolve.
+    /// Settle an assignment: accept, partially accept, cancel, resolve a dispute.
     EscrowSettle(EscrowSettle),
+    /// The requester ends a job early: no new assignments, every undelivered one is
+    /// cancelled, and the rest of the lock is refunded once the delivered ones settle.
+    EscrowCancel(EscrowCancel),
 }
 
 /// Transaction types, as the seed names them.
@@ -77,6 +80,8 @@ pub enum TxType {
     EscrowDispute,
     /// `ESCROW_SETTLE`
     EscrowSettle,
+    /// `ESCROW_CANCEL`
+    EscrowCancel,
 }
 
 impl TxType {
@@ -89,7 +94,8 @@ impl TxType {
             | TxType::EscrowAssign
             | TxType::ResultCommit
             | TxType::EscrowDispute
-            | TxType::EscrowSettle => 60_000,
+            | TxType::EscrowSettle
+            | TxType::EscrowCancel => 60_000,
         }
     }
 
@@ -103,6 +109,7 @@ impl TxType {
             TxType::ResultCommit => "RESULT_COMMIT",
             TxType::EscrowDispute => "ESCROW_DISPUTE",
             TxType::EscrowSettle => "ESCROW_SETTLE",
+            TxType::EscrowCancel => "ESCROW_CANCEL",
         }
     }
 }
@@ -123,6 +130,11 @@ pub struct EscrowLock {
     pub deadline: Timestamp,
     /// Review window in milliseconds.
     pub review_window_ms: u64,
+    /// Who resolves a dispute over this job: the network's resolver, named in its genesis.
+    pub resolver: Address,
+    /// How many assignments (ranks, over all tasks) the job has: once that many are
+    /// settled, the rest of the lock is refunded.
+    pub ranks: u32,
 }
 
 /// Bind an awarded assignment to the escrow.
@@ -159,6 +171,14 @@ pub struct ResultCommit {
     pub manifest: Digest,
 }
 
+/// The requester ends a job early.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct EscrowCancel {
+    /// The job.
+    pub job_id: Uuid,
+}
+
 /// Settle (or dispute) one assignment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
@@ -186,6 +206,7 @@ impl Transaction {
             TxPayload::ResultCommit(_) => TxType::ResultCommit,
             TxPayload::EscrowDispute(_) => TxType::EscrowDispute,
             TxPayload::EscrowSettle(_) => TxType::EscrowSettle,
+            TxPayload::EscrowCancel(_) => TxType::EscrowCancel,
         }
     }
 
@@ -296,7 +317,8 @@ impl Message for Transaction {
             TxPayload::EscrowAssign(_)
             | TxPayload::ResultCommit(_)
             | TxPayload::EscrowDispute(_)
-            | TxPayload::EscrowSettle(_) => {
+            | TxPayload::EscrowSettle(_)
+            | TxPayload::EscrowCancel(_) => {
                 if self.amount != Amount::ZERO {
                     return Err(Invalid::new(
                         "amount",
@@ -313,9 +335,10 @@ impl Message for Transaction {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
 pub struct BlockHeader {
-    /// Height; the genesis block is 0.
+    /// Height; the genesis is height 0 and the first block is 1.
     pub height: u64,
-    /// Hash (message id) of the previous header; zeros for genesis.
+    /// Hash (message id) of the previous header; for block 1, the genesis id
+    /// ([`crate::Genesis::id`]).
     pub prev_hash: Digest,
     /// When the block was made.
     pub timestamp: Timestamp,
