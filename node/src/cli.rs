@@ -70,6 +70,35 @@ pub(crate) enum Command {
     /// The root supervisor that owns the executor for an unprivileged node.
     #[command(subcommand)]
     Supervisor(SupervisorCommand),
+    /// The embedded ledger.
+    #[command(subcommand)]
+    Ledger(LedgerCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum LedgerCommand {
+    /// Measure what a sequencer commits durably per second (signature checks on every
+    /// core, blocks proposed, applied and committed to a redb file one fsync each), and
+    /// compute_root over many results against SHA-256 of the same bytes.
+    Bench {
+        /// Directory for the bench's block file (emptied first).
+        #[arg(long, default_value = ".ledger-bench")]
+        dir: PathBuf,
+        /// Signed transfers to commit.
+        #[arg(long, default_value_t = 50_000)]
+        txs: usize,
+        /// Accounts sending them.
+        #[arg(long, default_value_t = 1_000)]
+        accounts: usize,
+        /// Most transactions per block.
+        #[arg(long, default_value_t = 5_000)]
+        block_txs: u32,
+        /// Compute results for the compute_root figure.
+        #[arg(long, default_value_t = 100_000)]
+        results: usize,
+        #[command(flatten)]
+        format: Format,
+    },
 }
 
 #[derive(Debug, Subcommand)]

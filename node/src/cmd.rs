@@ -15,6 +15,7 @@ mod demo;
 mod exec;
 mod job;
 mod keys;
+mod ledger;
 mod market;
 mod node;
 mod probe;
@@ -38,6 +39,17 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(&args),
         Command::Exec(c) => exec::run(c, data_dir),
         Command::Supervisor(c) => supervisor::run(c, cli.log_format),
+        Command::Ledger(crate::cli::LedgerCommand::Bench {
+            dir,
+            txs,
+            accounts,
+            block_txs,
+            results,
+            format,
+        }) => ledger::show(
+            &ledger::bench(&dir, txs, accounts, block_txs, results)?,
+            format.json,
+        ),
     }
 }
 

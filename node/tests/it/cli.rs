@@ -155,6 +155,30 @@ fn job_quote_shows_budget_share_and_fee() {
 }
 
 #[test]
+fn ledger_bench_commits_every_transaction_in_durable_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = dir.path().join("bench");
+    let args = [
+        "ledger", "bench", "--txs", "1200", "--accounts", "40", "--block-txs", "500",
+        "--results", "300", "--json", "--dir",
+    ];
+    let mut args: Vec<&str> = args.to_vec();
+    args.push(blocks.to_str().unwrap());
+    let o = cannabis(dir.path(), &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let b: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(b["txs"], 1200);
+    assert_eq!(b["blocks"], 3, "500 a block: {b}");
+    assert_eq!(b["results"], 300);
+    assert!(b["tx_per_s"].as_f64().unwrap() > 0.0, "{b}");
+    // The blocks are in the file, committed.
+    assert!(std::fs::metadata(blocks.join("ledger.redb")).unwrap().len() > 1200 * 100);
+    let bad = cannabis(dir.path(), &["ledger", "bench", "--accounts", "0", "--dir", blocks.to_str().unwrap()]);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("--accounts"), "{}", stderr(&bad));
+}
+
+#[test]
 fn demo_walks_a_job_through_the_protocol() {
     let dir = tempfile::tempdir().unwrap();
     let o = cannabis(dir.path(), &["demo", "--size", "32", "--json"]);

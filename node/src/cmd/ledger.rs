@@ -1,0 +1,290 @@
+//! `cannabis ledger`: the embedded ledger's figures.
+//!
+//! `bench` measures what a sequencer sustains: signed transfers from many accounts are
+//! checked (signatures on every core), ordered into blocks by [`Ledger::propose`], sealed,
+//! applied, and each block is committed durably to a redb file (one fsync per block) before
+//! the next starts. Apart, it times computing and checking `compute_root` over 100,000
+//! proof-of-compute results against one SHA-256 pass over the same bytes.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use cannabis_market::ledger::Ledger;
+use cannabis_protocol::{
+    Allocation, Amount, Block, ComputeResult, Digest, FeeTerms, Genesis, Keypair, Rewards, Signed,
+    Timestamp, Transaction, TxPayload, Uuid, Verified, merkle,
+};
+use redb::{Database, TableDefinition};
+use serde::Serialize;
+use sha2::Digest as _;
+
+use crate::output;
+
+const BLOCKS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("blocks");
+
+/// What the bench found.
+#[derive(Debug, Serialize)]
+pub(crate) struct LedgerBench {
+    /// Transactions committed.
+    pub txs: usize,
+    /// Blocks they took.
+    pub blocks: u64,
+    /// Wall time from the first signature check to the last block's commit.
+    pub ms: f64,
+    /// Transactions committed durably per second.
+    pub tx_per_s: f64,
+    /// Of which: checking signatures (both cores), proposing and applying, committing.
+    pub verify_ms: f64,
+    pub apply_ms: f64,
+    pub commit_ms: f64,
+    /// Compute results in the `compute_root` figure.
+    pub results: usize,
+    /// Bytes of their encodings.
+    pub result_bytes: usize,
+    /// Computing the results' ids and their root, and checking it, from the results.
+    pub compute_root_ms: f64,
+    /// Re-encoding the results canonically (their ids are over these bytes).
+    pub encode_ms: f64,
+    /// One SHA-256 over the same bytes.
+    pub sha256_ms: f64,
+    /// `sha256_ms / compute_root_ms`.
+    pub ratio: f64,
+}
+
+fn key(i: u64) -> Keypair {
+    let mut s = [0x1e_u8; 32];
+    s[..8].copy_from_slice(&i.to_le_bytes());
+    Keypair::from_secret(s)
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+/// Runs the bench in `dir` (emptied first).
+pub(crate) fn bench(
+    dir: &Path,
+    txs: usize,
+    accounts: usize,
+    block_txs: u32,
+    results: usize,
+) -> anyhow::Result<LedgerBench> {
+    anyhow::ensure!(
+        accounts >= 1 && block_txs >= 1,
+        "--accounts and --block-txs must be at least 1"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let now = Timestamp(crate::cmd::now_ms());
+    let sequencer = key(u64::MAX);
+    let senders: Vec<Keypair> = (0..accounts as u64).map(key).collect();
+    let each = Amount(1_000_000_000);
+    let genesis = Genesis {
+        network: "ledger-bench".into(),
+        time: now,
+        sequencer: sequencer.address(),
+        fee: FeeTerms::founder(key(u64::MAX - 1).address()),
+        resolver: key(u64::MAX - 2).address(),
+        min_gas_price: 1,
+        supply: Amount(each.0 * accounts as u64 + 1_000),
+        accounts: senders
+            .iter()
+            .map(|k| Allocation {
+                address: k.address(),
+                amount: each,
+            })
+            .collect(),
+        vesting: Vec::new(),
+        faucet: None,
+        rewards: Rewards {
+            pool: Amount(1_000),
+            per_block: Amount(10),
+            seed_window: 16,
+        },
+        block_interval_ms: 100,
+        max_block_txs: block_txs,
+    };
+    let mut ledger = Ledger::new(genesis)?;
+
+    // Signed ahead (the wallets' work, not the sequencer's), as wire bytes.
+    let wire: Vec<Vec<u8>> = (0..txs)
+        .map(|i| {
+            let from = &senders[i % accounts];
+            let to = senders[(i + 1) % accounts].address();
+            let nonce = (i / accounts) as u64;
+            let tx = Transaction::new(
+                from.address(),
+                Some(to),
+                Amount(1),
+                nonce,
+                1,
+                TxPayload::Transfer,
+            )?;
+            Ok(Signed::sign(from, &tx).to_bytes())
+        })
+        .collect::<anyhow::Result<_>>()?;
+
+    let db = Database::create(dir.join("ledger.redb"))?;
+    let (mut verify_ms, mut apply_ms, mut commit_ms) = (0.0, 0.0, 0.0);
+    let started = Instant::now();
+    let mut blocks = 0u64;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for chunk in wire.chunks(block_txs as usize) {
+        // What arrived: decoded and checked on every core.
+        let t = Instant::now();
+        let per = chunk.len().div_ceil(threads);
+        let checked: Vec<(Signed<Transaction>, Transaction)> = std::thread::scope(|s| {
+            let parts: Vec<_> = chunk
+                .chunks(per.max(1))
+                .map(|part| {
+                    s.spawn(move || {
+                        part.iter()
+                            .map(|b| {
+                                let signed = Signed::<Transaction>::from_bytes(b)?;
+                                let body = signed.verify()?.body;
+                                Ok((signed, body))
+                            })
+                            .collect::<anyhow::Result<Vec<_>>>()
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("a checking thread panicked"))?
+                })
+                .collect::<anyhow::Result<Vec<Vec<_>>>>()
+                .map(|v| v.into_iter().flatten().collect())
+        })?;
+        verify_ms += ms(t);
+
+        let t = Instant::now();
+        let at = Timestamp(now.0 + blocks + 1);
+        let p = ledger.propose(at, checked);
+        anyhow::ensure!(
+            p.refused.is_empty() && p.waiting.is_empty(),
+            "the bench's transactions should all apply: {:?}",
+            p.refused.first().map(|(_, e)| e.to_string())
+        );
+        let block = Block::build(&sequencer, p.header.height, p.header.prev_hash, at, p.txs)?;
+        let header = Verified {
+            signer: sequencer.address(),
+            body: p.header,
+            id: block.hash(),
+        };
+        let bodies: Vec<Transaction> = block
+            .txs
+            .iter()
+            .map(|s| cannabis_protocol::decode::<Transaction>(s.payload()))
+            .collect::<Result<_, _>>()?;
+        let refs: Vec<&Transaction> = bodies.iter().collect();
+        ledger.apply_verified(&header, &refs, at)?;
+        apply_ms += ms(t);
+
+        let t = Instant::now();
+        let w = db.begin_write()?;
+        {
+            let mut table = w.open_table(BLOCKS)?;
+            table.insert(
+                block.header.verify()?.body.height,
+                cannabis_protocol::encode(&block).as_slice(),
+            )?;
+        }
+        w.commit()?;
+        commit_ms += ms(t);
+        blocks += 1;
+    }
+    let total_ms = ms(started);
+    anyhow::ensure!(
+        ledger.total() == u128::from(ledger.genesis().supply.0),
+        "money was not conserved"
+    );
+
+    // compute_root over `results` results, against one SHA-256 pass over their bytes.
+    let workers: Vec<Keypair> = (0..16).map(|i| key(1_000_000 + i)).collect();
+    let list: Vec<ComputeResult> = (0..results)
+        .map(|i| {
+            let w = &workers[i % workers.len()];
+            let mut id = [0u8; 16];
+            id[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            ComputeResult::signed(
+                w,
+                Uuid::from_random(id),
+                Digest::of(&id),
+                None,
+                Some(i as u64),
+            )
+        })
+        .collect();
+    // The header's root, as the sequencer made it.
+    let header_root = merkle::root(&list.iter().map(|r| r.id().0).collect::<Vec<_>>());
+    // The validator's side: the results' canonical bytes (re-encoded from the decoded
+    // block: timed apart), their ids, the root over them, compared with the header's.
+    let t = Instant::now();
+    let encoded: Vec<Vec<u8>> = list.iter().map(cannabis_protocol::encode).collect();
+    let encode_ms = ms(t);
+    let result_bytes = encoded.iter().map(Vec::len).sum();
+    let t = Instant::now();
+    let ids: Vec<[u8; 32]> = encoded.iter().map(|b| Digest::of(b).0).collect();
+    let checked = merkle::root(&ids) == header_root;
+    let compute_root_ms = ms(t);
+    anyhow::ensure!(checked, "the root did not check");
+    let t = Instant::now();
+    let mut raw = sha2::Sha256::new();
+    for b in &encoded {
+        raw.update(b);
+    }
+    let sha = raw.finalize();
+    let sha256_ms = ms(t);
+    anyhow::ensure!(
+        sha.as_slice() != header_root.0,
+        "unreachable: a root is not a plain hash"
+    );
+
+    Ok(LedgerBench {
+        txs,
+        blocks,
+        ms: total_ms,
+        tx_per_s: txs as f64 / (total_ms / 1e3),
+        verify_ms,
+        apply_ms,
+        commit_ms,
+        results,
+        result_bytes,
+        encode_ms,
+        compute_root_ms,
+        sha256_ms,
+        ratio: sha256_ms / compute_root_ms,
+    })
+}
+
+/// Prints the bench's figures.
+pub(crate) fn show(b: &LedgerBench, json: bool) -> anyhow::Result<()> {
+    if json {
+        return output::json(b);
+    }
+    output::table(&[
+        (
+            "transactions committed",
+            format!("{} in {} blocks, {:.0} ms", b.txs, b.blocks, b.ms),
+        ),
+        ("durable throughput", format!("{:.0} tx/s", b.tx_per_s)),
+        (
+            "of which",
+            format!(
+                "signatures {:.0} ms, propose and apply {:.0} ms, commits {:.0} ms",
+                b.verify_ms, b.apply_ms, b.commit_ms
+            ),
+        ),
+        (
+            "compute_root",
+            format!(
+                "{} results ({} bytes): {:.1} ms, SHA-256 of the same bytes {:.1} ms, ratio {:.2} (re-encoding them: {:.1} ms)",
+                b.results, b.result_bytes, b.compute_root_ms, b.sha256_ms, b.ratio, b.encode_ms
+            ),
+        ),
+    ])?;
+    Ok(())
+}
