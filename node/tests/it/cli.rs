@@ -159,8 +159,18 @@ fn ledger_bench_commits_every_transaction_in_durable_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let blocks = dir.path().join("bench");
     let args = [
-        "ledger", "bench", "--txs", "1200", "--accounts", "40", "--block-txs", "500",
-        "--results", "300", "--json", "--dir",
+        "ledger",
+        "bench",
+        "--txs",
+        "1200",
+        "--accounts",
+        "40",
+        "--block-txs",
+        "500",
+        "--results",
+        "300",
+        "--json",
+        "--dir",
     ];
     let mut args: Vec<&str> = args.to_vec();
     args.push(blocks.to_str().unwrap());
@@ -173,7 +183,17 @@ fn ledger_bench_commits_every_transaction_in_durable_blocks() {
     assert!(b["tx_per_s"].as_f64().unwrap() > 0.0, "{b}");
     // The blocks are in the file, committed.
     assert!(std::fs::metadata(blocks.join("ledger.redb")).unwrap().len() > 1200 * 100);
-    let bad = cannabis(dir.path(), &["ledger", "bench", "--accounts", "0", "--dir", blocks.to_str().unwrap()]);
+    let bad = cannabis(
+        dir.path(),
+        &[
+            "ledger",
+            "bench",
+            "--accounts",
+            "0",
+            "--dir",
+            blocks.to_str().unwrap(),
+        ],
+    );
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--accounts"), "{}", stderr(&bad));
 }
