@@ -126,6 +126,12 @@ pub fn serve(
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/leases", get(leases))
+        .route("/v1/ledger", get(ledger_status))
+        .route("/v1/ledger/blocks", get(ledger_blocks))
+        .route("/v1/ledger/blocks/{height}", get(ledger_block))
+        .route("/v1/wallet/send", post(wallet_send))
+        .route("/v1/wallet/faucet", post(wallet_faucet))
+        .route("/v1/wallet/{address}", get(wallet_balance))
         .merge(exec::routes())
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state);
@@ -134,6 +140,86 @@ pub fn serve(
             tracing::error!(error = %e, "local API stopped");
         }
     })
+}
+
+async fn ledger_status(State(s): State<AppState>) -> Result<Json<api::LedgerStatus>, Error> {
+    s.node
+        .ledger()
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+#[derive(Deserialize)]
+struct BlocksQuery {
+    limit: Option<u32>,
+}
+
+async fn ledger_blocks(
+    State(s): State<AppState>,
+    Query(q): Query<BlocksQuery>,
+) -> Result<Json<Vec<api::BlockSummary>>, Error> {
+    s.node
+        .blocks(q.limit.unwrap_or(20))
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+async fn ledger_block(
+    State(s): State<AppState>,
+    UrlPath(height): UrlPath<u64>,
+) -> Result<Json<api::BlockDetail>, Error> {
+    s.node
+        .block(height)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+fn address(text: &str) -> Result<cannabis_protocol::Address, Error> {
+    text.parse().map_err(|e| {
+        Error(
+            StatusCode::BAD_REQUEST,
+            format!("{text:?} is not a cpc1 address: {e}"),
+        )
+    })
+}
+
+async fn wallet_balance(
+    State(s): State<AppState>,
+    UrlPath(who): UrlPath<String>,
+) -> Result<Json<api::Balance>, Error> {
+    let who = if who == "me" {
+        None
+    } else {
+        Some(address(&who)?)
+    };
+    s.node
+        .balance(who)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+async fn wallet_send(
+    State(s): State<AppState>,
+    Json(req): Json<api::SendRequest>,
+) -> Result<Json<api::Submitted>, Error> {
+    let to = address(&req.to)?;
+    s.node
+        .send(to, req.amount)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn wallet_faucet(State(s): State<AppState>) -> Result<Json<api::Submitted>, Error> {
+    s.node
+        .faucet()
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
 }
 
 async fn status(State(s): State<AppState>) -> Result<Json<api::Status>, Error> {

@@ -70,13 +70,69 @@ pub(crate) enum Command {
     /// The root supervisor that owns the executor for an unprivileged node.
     #[command(subcommand)]
     Supervisor(SupervisorCommand),
-    /// The embedded ledger.
+    /// The embedded ledger: its status, blocks, and figures.
     #[command(subcommand)]
     Ledger(LedgerCommand),
+    /// This node's account on the ledger: balance, transfers, the testnet faucet.
+    #[command(subcommand)]
+    Wallet(WalletCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum WalletCommand {
+    /// An account's balance, what of it is spendable and still vesting (this node's by
+    /// default), as of the node's last block.
+    Balance {
+        /// A `cpc1...` address.
+        address: Option<String>,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Send base units from this node's account (the network fee is charged apart).
+    Send {
+        /// The receiver's `cpc1...` address.
+        to: String,
+        /// The amount, in base units.
+        amount: cannabis_protocol::Amount,
+        /// Wait until a block holds it, up to this many seconds (0: return once the
+        /// sequencer kept it).
+        #[arg(long, default_value_t = 30)]
+        wait: u64,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Ask the testnet's faucet for a grant to this node's account.
+    Faucet {
+        /// Wait until a block holds it, up to this many seconds (0: do not wait).
+        #[arg(long, default_value_t = 30)]
+        wait: u64,
+        #[command(flatten)]
+        format: Format,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum LedgerCommand {
+    /// The ledger as the running node holds it: network, height, sequencer, fee terms.
+    Status {
+        #[command(flatten)]
+        format: Format,
+    },
+    /// The newest blocks.
+    Blocks {
+        /// How many.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// One block with its transactions.
+    Block {
+        /// Its height.
+        height: u64,
+        #[command(flatten)]
+        format: Format,
+    },
     /// Measure what a sequencer commits durably per second (signature checks on every
     /// core, blocks proposed, applied and committed to a redb file one fsync each), and
     /// compute_root over many results against SHA-256 of the same bytes.
@@ -357,6 +413,12 @@ pub(crate) struct RunArgs {
     /// supervisor run`) instead of an executor in this process.
     #[arg(long, value_name = "SOCKET")]
     pub(crate) supervisor: Option<PathBuf>,
+    /// The network's genesis file (JSON): the node keeps the ledger it starts.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) genesis: Option<PathBuf>,
+    /// Sequence the ledger (make its blocks): only the node the genesis names.
+    #[arg(long)]
+    pub(crate) ledger: bool,
 }
 
 fn duration_ms(text: &str) -> Result<u64, String> {

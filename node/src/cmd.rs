@@ -50,6 +50,8 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
             &ledger::bench(&dir, txs, accounts, block_txs, results)?,
             format.json,
         ),
+        Command::Ledger(c) => ledger::run(c, &data_dir()?),
+        Command::Wallet(c) => ledger::wallet(c, &data_dir()?),
     }
 }
 

@@ -48,6 +48,8 @@ pub struct NodeConfig {
     /// The socket of a root supervisor that runs this node's work (`cannabis supervisor
     /// run`); without one the executor runs in the node's own process.
     pub supervisor: Option<std::path::PathBuf>,
+    /// The embedded ledger: the network's genesis, and whether this node sequences it.
+    pub ledger: LedgerConfig,
     /// The administrator's ceilings file (set by `node run --ceilings`, never by this
     /// file: the owner's settings cannot move their own ceiling).
     #[serde(skip)]
@@ -59,6 +61,66 @@ pub struct NodeConfig {
     /// unset (set by programs that embed the node, such as tests).
     #[serde(skip)]
     pub program: Option<std::path::PathBuf>,
+}
+
+impl NodeConfig {
+    /// Pins the network parameters the genesis fixes: blocks only from its sequencer, and
+    /// its fee terms on every offer this node publishes or takes. A configuration that
+    /// names others is refused: two sources of one network parameter must agree.
+    pub fn pin_to_genesis(&mut self, g: &cannabis_protocol::Genesis) -> anyhow::Result<()> {
+        let seqs = &mut self.gossip.sequencers;
+        anyhow::ensure!(
+            seqs.is_empty() || *seqs == [g.sequencer],
+            "gossip.sequencers names other sequencers than the genesis ({})",
+            g.sequencer
+        );
+        *seqs = vec![g.sequencer];
+        match &self.gossip.fee {
+            Some(fee) => anyhow::ensure!(
+                *fee == g.fee,
+                "gossip.fee ({} bps to {}) is not the genesis' ({} bps to {})",
+                fee.rate_bps,
+                fee.recipient,
+                g.fee.rate_bps,
+                g.fee.recipient
+            ),
+            None => self.gossip.fee = Some(g.fee.clone()),
+        }
+        Ok(())
+    }
+}
+
+/// The embedded ledger's settings.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LedgerConfig {
+    /// The network's genesis file (JSON, the same on every node). Without one the node
+    /// keeps no ledger: it forwards blocks but holds no balances.
+    pub genesis: Option<std::path::PathBuf>,
+    /// Sequence the ledger: make its blocks. Only the node whose key the genesis names as
+    /// sequencer may (`node run --ledger`).
+    pub sequence: bool,
+}
+
+impl LedgerConfig {
+    /// Reads and checks the genesis file, if one is set.
+    pub fn load_genesis(&self) -> anyhow::Result<Option<cannabis_protocol::Genesis>> {
+        let Some(path) = &self.genesis else {
+            anyhow::ensure!(
+                !self.sequence,
+                "ledger.sequence (--ledger) needs the network's genesis (ledger.genesis, --genesis)"
+            );
+            return Ok(None);
+        };
+        let text = std::fs::read(path)
+            .with_context(|| format!("reading the genesis {}", path.display()))?;
+        let genesis: cannabis_protocol::Genesis = serde_json::from_slice(&text)
+            .with_context(|| format!("reading the genesis {}", path.display()))?;
+        genesis
+            .validate()
+            .with_context(|| format!("the genesis {} is not valid", path.display()))?;
+        Ok(Some(genesis))
+    }
 }
 
 /// Sizing of the capability challenges this node sets (see docs/security.md).
@@ -238,6 +300,7 @@ impl Default for NodeConfig {
             fanin: cannabis_market::fanin::FaninConfig::default(),
             executor: cannabis_runtime::exec::LimitsFile::default(),
             supervisor: None,
+            ledger: LedgerConfig::default(),
             program: None,
             ceilings: None,
             source: None,

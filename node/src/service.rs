@@ -11,6 +11,7 @@ mod challenge;
 mod directed;
 mod gossip;
 mod handle;
+mod ledger;
 mod run;
 mod transfer;
 
@@ -158,8 +159,29 @@ pub(crate) enum Command {
     /// A gossiped block has been verified (or not) off the driver.
     BlockChecked(
         cannabis_market::Origin,
-        Result<(cannabis_protocol::Digest, Address, u64), cannabis_market::Verdict>,
+        Result<Box<ledger::Checked>, cannabis_market::Verdict>,
     ),
+    /// Blocks asked of a peer, verified off the driver (and whether the answer was full).
+    BlocksFetched(PeerId, Result<Vec<ledger::Checked>, String>, bool),
+    /// The ledger as this node holds it.
+    LedgerStatus(oneshot::Sender<anyhow::Result<api::LedgerStatus>>),
+    /// An account (this node's when `None`).
+    Balance(
+        Option<Address>,
+        oneshot::Sender<anyhow::Result<api::Balance>>,
+    ),
+    /// The newest blocks.
+    LedgerBlocks(u32, oneshot::Sender<anyhow::Result<Vec<api::BlockSummary>>>),
+    /// One block.
+    LedgerBlock(u64, oneshot::Sender<anyhow::Result<api::BlockDetail>>),
+    /// A transfer from this node's account.
+    WalletSend(
+        Address,
+        cannabis_protocol::Amount,
+        oneshot::Sender<anyhow::Result<api::Submitted>>,
+    ),
+    /// A faucet grant to this node's account.
+    WalletFaucet(oneshot::Sender<anyhow::Result<api::Submitted>>),
     /// A challenge this node answers has been proved.
     ChallengeProved(Option<cannabis_protocol::ChallengeResponse>),
     /// A challenge this node set has been checked.
@@ -290,6 +312,8 @@ pub(crate) struct Node {
     dropped_since_trim: usize,
     /// Why the node is in read-only safe mode (a write to its store failed), if it is.
     safe_mode: Option<String>,
+    /// The embedded ledger, when the node has the network's genesis.
+    chain: Option<ledger::Chain>,
 }
 
 /// Gives the memory the allocator holds free back to the system. glibc keeps what a
@@ -330,12 +354,16 @@ fn decay_scores(scores: &mut HashMap<PeerId, f64>, over: Duration) -> Vec<(PeerI
 /// spawns the driver. The executor opens and the machine is probed in the background (off
 /// the driver), so the swarm is up at once. Returns the handle and the driver's task.
 pub async fn start(
-    config: NodeConfig,
+    mut config: NodeConfig,
     keys: NodeKeys,
     data_dir: &Path,
     api_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<(NodeHandle, tokio::task::JoinHandle<()>)> {
     config.check()?;
+    let genesis = config.ledger.load_genesis()?;
+    if let Some(g) = &genesis {
+        config.pin_to_genesis(g)?;
+    }
     let store = Arc::new(Store::open(&data_dir.join("node.redb"))?);
     let libp2p_key = libp2p::identity::Keypair::ed25519_from_bytes(*keys.signing.secret())
         .context("turning the node key into a libp2p identity")?;
@@ -432,7 +460,9 @@ pub async fn start(
         over_rate: cannabis_market::rate::Limiter::default(),
         dropped_since_trim: 0,
         safe_mode: None,
+        chain: None,
     };
+    node.open_chain(genesis)?;
     node.drain();
     node.bootstrap();
     info!(%peer_id, %address, "node started");
@@ -631,6 +661,11 @@ impl Node {
                 },
                 Some(command) = internal.recv() => self.on_command(command),
                 _ = ad_timer.tick() => self.probe_machine(None),
+                () = sleep_until(self.chain.as_ref().and_then(ledger::Chain::block_due)) => {
+                    if self.safe_mode.is_none() {
+                        self.make_block();
+                    }
+                }
                 () = sleep_until(self.ad_due) => {
                     self.ad_due = None;
                     self.publish_ad_now();
@@ -652,6 +687,7 @@ impl Node {
                     self.decay_penalties(UPKEEP);
                     self.drop_graylisted();
                     self.catch_up();
+                    self.catch_up_blocks();
                     self.reach_every_shard();
                     self.trim_connections();
                     if std::mem::take(&mut self.dropped_since_trim) > 0 {
@@ -739,6 +775,7 @@ impl Node {
                 info!("the store takes writes again: safe mode over");
                 self.safe_mode = None;
                 self.restore_market();
+                self.restore_chain();
             }
             Err(e) => debug!(error = %format!("{e:#}"), "the store still refuses writes"),
         }
@@ -934,6 +971,23 @@ impl Node {
             Command::Challenge(peer, reply) => self.start_challenge(peer, reply),
             Command::ChallengeProved(response) => self.send_proved(response),
             Command::BlockChecked(origin, checked) => self.block_checked(origin, checked),
+            Command::BlocksFetched(peer, checked, full) => {
+                self.blocks_fetched(peer, checked, full);
+            }
+            Command::LedgerStatus(reply) => {
+                let _ = reply.send(self.ledger_status());
+            }
+            Command::Balance(who, reply) => {
+                let _ = reply.send(self.balance(who));
+            }
+            Command::LedgerBlocks(limit, reply) => {
+                let _ = reply.send(self.block_list(limit));
+            }
+            Command::LedgerBlock(height, reply) => {
+                let _ = reply.send(self.block_detail(height));
+            }
+            Command::WalletSend(to, amount, reply) => self.wallet_send(to, amount, reply),
+            Command::WalletFaucet(reply) => self.wallet_faucet(reply),
             Command::ChallengeChecked(report, seed, reply) => {
                 self.record_challenge(report, seed, reply);
             }
@@ -1219,6 +1273,7 @@ impl Node {
             BehaviourEvent::Sync(e) => self.on_sync(e),
             BehaviourEvent::Challenge(e) => self.on_challenge(e),
             BehaviourEvent::Transfer(e) => self.on_transfer(e),
+            BehaviourEvent::Ledger(e) => self.on_ledger(e),
             BehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
                 for addr in info.listen_addrs {
                     self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);

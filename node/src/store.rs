@@ -34,6 +34,12 @@ const EXEC: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("exec_journ
 
 type Table = TableDefinition<'static, &'static [u8], &'static [u8]>;
 
+/// The ledger's blocks this node took, by height (the block's wire bytes).
+const LEDGER_BLOCKS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("ledger_blocks");
+/// Transactions the sequencer acknowledged and has not put in a block yet, by id (the
+/// signed transaction's wire bytes).
+const LEDGER_POOL: TableDefinition<'_, &[u8], &[u8]> = TableDefinition::new("ledger_pool");
+
 const TABLES: [Table; 7] = [ADS, OFFERS, PASSES, JOBS, WORKER_BIDS, WORKER_LEASES, EXEC];
 
 fn assignment_key(key: &AssignmentKey) -> Vec<u8> {
@@ -173,6 +179,8 @@ fn create(path: &Path) -> anyhow::Result<Database> {
     for t in TABLES {
         txn.open_table(t)?;
     }
+    txn.open_table(LEDGER_BLOCKS)?;
+    txn.open_table(LEDGER_POOL)?;
     // Bids received for offers were kept here once; they now live in their jobs.
     let _ = txn.delete_table(TableDefinition::<&[u8], &[u8]>::new("bids"));
     txn.commit()?;
@@ -394,6 +402,62 @@ impl Store {
                 let (k, v) = row?;
                 Ok((k.value().to_vec(), v.value().to_vec()))
             })
+            .collect()
+    }
+
+    /// Keeps block `height` and drops the transactions it holds (or that can never apply)
+    /// from the pool, in one durable write.
+    pub fn put_block(&self, height: u64, block: &[u8], done: &[Digest]) -> anyhow::Result<()> {
+        let db = self.db()?;
+        let txn = db.begin_write()?;
+        txn.open_table(LEDGER_BLOCKS)?.insert(height, block)?;
+        {
+            let mut pool = txn.open_table(LEDGER_POOL)?;
+            for id in done {
+                pool.remove(id.0.as_slice())?;
+            }
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// The blocks kept from height `from` on, in height order: at most `max` of them and,
+    /// past the first, at most `max_bytes` in all.
+    pub fn blocks(&self, from: u64, max: usize, max_bytes: usize) -> anyhow::Result<Vec<Vec<u8>>> {
+        let db = self.db()?;
+        let txn = db.begin_read()?;
+        let table = txn.open_table(LEDGER_BLOCKS)?;
+        let mut out: Vec<Vec<u8>> = Vec::new();
+        let mut bytes = 0usize;
+        for row in table.range(from..)?.take(max) {
+            let (_, v) = row?;
+            let v = v.value();
+            if !out.is_empty() && bytes.saturating_add(v.len()) > max_bytes {
+                break;
+            }
+            bytes = bytes.saturating_add(v.len());
+            out.push(v.to_vec());
+        }
+        Ok(out)
+    }
+
+    /// Keeps a transaction for the next blocks; durable when this returns.
+    pub fn put_pooled(&self, id: &Digest, tx: &[u8]) -> anyhow::Result<()> {
+        let db = self.db()?;
+        let txn = db.begin_write()?;
+        txn.open_table(LEDGER_POOL)?.insert(id.0.as_slice(), tx)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// The transactions kept for the next blocks.
+    pub fn pooled(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        let db = self.db()?;
+        let txn = db.begin_read()?;
+        let table = txn.open_table(LEDGER_POOL)?;
+        table
+            .iter()?
+            .map(|row| Ok(row?.1.value().to_vec()))
             .collect()
     }
 

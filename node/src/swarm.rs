@@ -8,7 +8,8 @@ mod topics;
 
 pub use behaviour::{
     Behaviour, BehaviourEvent, CHALLENGE_PROTOCOL, IDENTIFY_PROTOCOL, KAD_PROTOCOL,
-    MARKET_PROTOCOL, MAX_TRANSMIT_SIZE, SYNC_PROTOCOL, TRANSFER_PROTOCOL, address_of, peer_of,
+    LEDGER_PROTOCOL, MARKET_PROTOCOL, MAX_TRANSMIT_SIZE, SYNC_PROTOCOL, TRANSFER_PROTOCOL,
+    address_of, peer_of,
 };
 pub use codec::Codec;
 pub use topics::{APP_DECAY, GRAYLIST_THRESHOLD, INVALID_DECAY, Topic, Topics, peer_score};

@@ -21,7 +21,8 @@ pub use delivery::{
     max_cipher_size,
 };
 pub use directed::{
-    ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
+    ChallengeRequest, ChallengeResponse, LedgerRequest, LedgerResponse, MarketRequest,
+    MarketResponse, SyncRequest, SyncResponse,
 };
 pub use ledger::{
     Block, BlockError, BlockHeader, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle,

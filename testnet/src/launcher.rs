@@ -84,14 +84,20 @@ impl Testnet {
         // Every node's keys at once: one `keys new` after another took a quarter of a
         // 100-node start, each slower than the last as the nodes already up took the CPU.
         make_keys(opts)?;
+        let genesis = genesis(opts, &fee_recipient)?;
+        let network = Network {
+            genesis: fs::canonicalize(&genesis)
+                .with_context(|| format!("finding {}", genesis.display()))?,
+            fee_recipient,
+        };
         // From here on, a failure stops what was started (dropping `net` stops its nodes).
-        let first = spawn(opts, 0, None, &fee_recipient)?;
+        let first = spawn(opts, 0, None, &network)?;
         let bootstrap = dial_addr(&first.info)?;
         net.nodes.push(first);
         // Start the rest together, then wait for each.
         let mut starting = Vec::new();
         let started = (1..opts.nodes).try_for_each(|i| {
-            starting.push(start_process(opts, i, Some(&bootstrap), &fee_recipient)?);
+            starting.push(start_process(opts, i, Some(&bootstrap), &network)?);
             anyhow::Ok(())
         });
         let mut starting = starting.into_iter().enumerate();
@@ -362,9 +368,9 @@ fn spawn(
     opts: &TestnetOptions,
     index: usize,
     bootstrap: Option<&str>,
-    fee_recipient: &str,
+    network: &Network,
 ) -> anyhow::Result<NodeProc> {
-    let (data_dir, child) = start_process(opts, index, bootstrap, fee_recipient)?;
+    let (data_dir, child) = start_process(opts, index, bootstrap, network)?;
     wait_ready(index, data_dir, child, opts.ready_timeout)
 }
 
@@ -455,32 +461,101 @@ fn keys_made(out: &std::process::Output, who: &str) -> anyhow::Result<()> {
 fn founder(opts: &TestnetOptions) -> anyhow::Result<String> {
     let dir = opts.dir.join("founder");
     ensure_keys(&opts.binary, &dir, "the testnet's fee recipient")?;
-    let out = Command::new(&opts.binary)
+    address_in(&opts.binary, &dir, "the fee recipient")
+}
+
+/// The address of the keys in `data_dir`.
+fn address_in(binary: &Path, data_dir: &Path, who: &str) -> anyhow::Result<String> {
+    let out = Command::new(binary)
         .arg("--data-dir")
-        .arg(&dir)
+        .arg(data_dir)
         .args(["keys", "address"])
         .output()
-        .with_context(|| format!("running {}", opts.binary.display()))?;
+        .with_context(|| format!("running {}", binary.display()))?;
     anyhow::ensure!(
         out.status.success(),
-        "reading the fee recipient's address: {}",
+        "reading {who}'s address: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The testnet's genesis, written on the first `up` (`genesis.json`): node 0 sequences the
+/// ledger and holds the faucet's account; the founder's keys receive the 1% fee, resolve
+/// disputes, and hold the founders' 1% of the supply, vesting over four years after a
+/// one-year cliff; a tenth of the supply rewards valid proof-of-compute results.
+fn genesis(opts: &TestnetOptions, founder: &str) -> anyhow::Result<PathBuf> {
+    let path = opts.dir.join("genesis.json");
+    if path.exists() {
+        return Ok(path);
+    }
+    let sequencer: cannabis_protocol::Address =
+        address_in(&opts.binary, &opts.dir.join("node-0"), "node 0")?
+            .parse()
+            .map_err(|e| anyhow::anyhow!("node 0's address: {e}"))?;
+    let founder: cannabis_protocol::Address = founder
+        .parse()
+        .map_err(|e| anyhow::anyhow!("the founder's address: {e}"))?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as u64;
+    const SUPPLY: u64 = 1_000_000_000_000_000;
+    const YEAR_MS: u64 = 365 * 24 * 3600 * 1000;
+    let g = cannabis_protocol::Genesis {
+        network: format!("cannabis-testnet-{now}"),
+        time: cannabis_protocol::Timestamp(now),
+        sequencer,
+        fee: cannabis_protocol::FeeTerms::founder(founder),
+        resolver: founder,
+        min_gas_price: 1,
+        supply: cannabis_protocol::Amount(SUPPLY),
+        accounts: vec![cannabis_protocol::Allocation {
+            address: sequencer,
+            amount: cannabis_protocol::Amount(SUPPLY - SUPPLY / 100 - SUPPLY / 10),
+        }],
+        vesting: vec![cannabis_protocol::Vesting {
+            address: founder,
+            amount: cannabis_protocol::Amount(SUPPLY / 100),
+            start: cannabis_protocol::Timestamp(now),
+            cliff_ms: YEAR_MS,
+            duration_ms: 4 * YEAR_MS,
+        }],
+        faucet: Some(cannabis_protocol::Faucet {
+            address: sequencer,
+            grant: cannabis_protocol::Amount(1_000_000_000),
+        }),
+        rewards: cannabis_protocol::Rewards {
+            pool: cannabis_protocol::Amount(SUPPLY / 10),
+            per_block: cannabis_protocol::Amount(1_000_000),
+            seed_window: 64,
+        },
+        block_interval_ms: 100,
+        max_block_txs: 5_000,
+    };
+    g.validate()?;
+    fs::write(&path, serde_json::to_string_pretty(&g)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// What every node of a testnet shares: its fee recipient and its genesis.
+struct Network {
+    fee_recipient: String,
+    genesis: PathBuf,
 }
 
 fn start_process(
     opts: &TestnetOptions,
     index: usize,
     bootstrap: Option<&str>,
-    fee_recipient: &str,
+    network: &Network,
 ) -> anyhow::Result<(PathBuf, Child)> {
     let data_dir = opts.dir.join(format!("node-{index}"));
     ensure_keys(&opts.binary, &data_dir, &format!("node {index}"))?;
     let _ = fs::remove_file(data_dir.join("node.json"));
     let config = data_dir.join("node.toml");
     if !config.exists() {
-        fs::write(&config, node_config(index, fee_recipient))
+        fs::write(&config, node_config(index, &network.fee_recipient))
             .with_context(|| format!("writing {}", config.display()))?;
     }
     let log = fs::OpenOptions::new()
@@ -497,7 +572,13 @@ fn start_process(
         // TCP only: on loopback QUIC buys nothing, and a second transport doubles every
         // pair's connections (and each QUIC endpoint seeds its own entropy at start).
         .args(["--listen", "/ip4/127.0.0.1/tcp/0"])
-        .args(["--api", "127.0.0.1:0"]);
+        .args(["--api", "127.0.0.1:0"])
+        .arg("--genesis")
+        .arg(&network.genesis);
+    if index == 0 {
+        // Node 0 sequences the ledger (the genesis names its key).
+        cmd.arg("--ledger");
+    }
     if let Some(b) = bootstrap {
         cmd.args(["--bootstrap", b]);
     }

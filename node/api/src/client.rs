@@ -189,4 +189,42 @@ impl ApiClient {
     pub fn ping(&self, peer: &str, count: u32) -> anyhow::Result<api::PingReport> {
         self.post(&format!("/v1/peers/{peer}/ping?count={count}"), &())
     }
+
+    /// The embedded ledger as the node holds it.
+    pub fn ledger(&self) -> anyhow::Result<api::LedgerStatus> {
+        self.get("/v1/ledger")
+    }
+
+    /// An account (the node's own when `address` is `None`).
+    pub fn balance(&self, address: Option<&str>) -> anyhow::Result<api::Balance> {
+        self.get(&format!("/v1/wallet/{}", address.unwrap_or("me")))
+    }
+
+    /// Sends `amount` from the node's account to `to`.
+    pub fn send(
+        &self,
+        to: &str,
+        amount: cannabis_protocol::Amount,
+    ) -> anyhow::Result<api::Submitted> {
+        let body = api::SendRequest {
+            to: to.to_string(),
+            amount,
+        };
+        self.post("/v1/wallet/send", &body)
+    }
+
+    /// Asks the testnet's faucet for a grant to the node's account.
+    pub fn faucet(&self) -> anyhow::Result<api::Submitted> {
+        self.post("/v1/wallet/faucet", &())
+    }
+
+    /// The latest blocks, newest first (at most `limit`).
+    pub fn blocks(&self, limit: u32) -> anyhow::Result<Vec<api::BlockSummary>> {
+        self.get(&format!("/v1/ledger/blocks?limit={limit}"))
+    }
+
+    /// One block with its transactions.
+    pub fn block(&self, height: u64) -> anyhow::Result<api::BlockDetail> {
+        self.get(&format!("/v1/ledger/blocks/{height}"))
+    }
 }

@@ -487,3 +487,122 @@ impl HeldLease {
         }
     }
 }
+
+/// `GET /v1/ledger`: the embedded ledger as this node holds it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerStatus {
+    /// The network's name, from its genesis.
+    pub network: String,
+    /// The genesis id (the parent of block 1).
+    pub genesis: String,
+    /// The last block this node applied (0: none yet).
+    pub height: u64,
+    /// Its hash.
+    pub tip: String,
+    /// Its time, ms since the epoch.
+    pub time_ms: u64,
+    /// The sequencer's address.
+    pub sequencer: String,
+    /// Whether this node is the sequencer.
+    pub sequencing: bool,
+    /// Transactions waiting for a block (on the sequencer).
+    pub waiting: usize,
+    /// The token's supply.
+    pub supply: Amount,
+    /// The network's fee terms: rate in basis points, and recipient.
+    pub fee_rate_bps: u16,
+    /// Who receives the fee.
+    pub fee_recipient: String,
+    /// Who resolves disputes.
+    pub resolver: String,
+    /// The testnet faucet's account, if the network has one.
+    pub faucet: Option<String>,
+    /// What is left of the proof-of-compute reward pool.
+    pub reward_pool: Amount,
+}
+
+/// `GET /v1/wallet/{address}`: an account as of the node's last block.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Balance {
+    /// The account.
+    pub address: String,
+    /// Its balance, vested or not.
+    pub balance: Amount,
+    /// What it can spend now.
+    pub spendable: Amount,
+    /// What is still vesting.
+    pub vesting: Amount,
+    /// The nonce its next transaction carries.
+    pub nonce: u64,
+    /// The height this is as of.
+    pub height: u64,
+}
+
+/// A block, in short.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockSummary {
+    /// Its height.
+    pub height: u64,
+    /// Its hash.
+    pub hash: String,
+    /// Its parent's hash.
+    pub prev_hash: String,
+    /// Its time, ms since the epoch.
+    pub time_ms: u64,
+    /// How many transactions it holds.
+    pub txs: u32,
+    /// How many proof-of-compute results.
+    pub compute_count: u32,
+    /// The Merkle root over their ids.
+    pub compute_root: String,
+}
+
+/// `GET /v1/ledger/blocks/{height}`: a block with its transactions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockDetail {
+    /// The block.
+    pub block: BlockSummary,
+    /// Its transactions, in order.
+    pub transactions: Vec<TxSummary>,
+}
+
+/// A transaction, in short.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TxSummary {
+    /// Its id.
+    pub id: String,
+    /// Its type (`TRANSFER`, `ESCROW_LOCK`, ...).
+    pub kind: String,
+    /// The sender.
+    pub from: String,
+    /// The receiver, for transfers.
+    pub to: Option<String>,
+    /// The amount moved or locked.
+    pub amount: Amount,
+    /// The network fee.
+    pub fee: Amount,
+    /// The sender's nonce.
+    pub nonce: u64,
+}
+
+/// `POST /v1/wallet/send`: a transfer from this node's account.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendRequest {
+    /// The receiver's `cpc1...` address.
+    pub to: String,
+    /// The amount, in base units.
+    pub amount: Amount,
+}
+
+/// A transaction the sequencer kept for a block.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Submitted {
+    /// The transaction's id.
+    pub id: String,
+    /// Its sender.
+    pub from: String,
+    /// Its nonce.
+    pub nonce: u64,
+    /// The network fee it pays.
+    pub fee: Amount,
+}

@@ -19,7 +19,8 @@ use redb::{Database, TableDefinition};
 use serde::Serialize;
 use sha2::Digest as _;
 
-use crate::output;
+use crate::cli::{LedgerCommand, WalletCommand};
+use crate::output::{self, out};
 
 const BLOCKS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("blocks");
 
@@ -286,5 +287,206 @@ pub(crate) fn show(b: &LedgerBench, json: bool) -> anyhow::Result<()> {
             ),
         ),
     ])?;
+    Ok(())
+}
+
+/// `cannabis ledger status|blocks|block`.
+pub(crate) fn run(command: LedgerCommand, data_dir: &Path) -> anyhow::Result<()> {
+    let client = cannabis_api::ApiClient::from_data_dir(data_dir)?;
+    match command {
+        LedgerCommand::Status { format } => {
+            let s = client.ledger()?;
+            if format.json {
+                return output::json(&s);
+            }
+            output::table(&[
+                ("network", format!("{} (genesis {})", s.network, s.genesis)),
+                ("height", format!("{} (tip {})", s.height, s.tip)),
+                (
+                    "sequencer",
+                    format!(
+                        "{}{}",
+                        s.sequencer,
+                        if s.sequencing { " (this node)" } else { "" }
+                    ),
+                ),
+                ("waiting", s.waiting.to_string()),
+                ("supply", s.supply.to_string()),
+                (
+                    "fee terms",
+                    format!(
+                        "{} to {}",
+                        crate::cmd::job::percent(s.fee_rate_bps),
+                        s.fee_recipient
+                    ),
+                ),
+                ("resolver", s.resolver),
+                ("faucet", s.faucet.unwrap_or_else(|| "none".into())),
+                ("reward pool", s.reward_pool.to_string()),
+            ])?;
+            Ok(())
+        }
+        LedgerCommand::Blocks { limit, format } => {
+            let blocks = client.blocks(limit)?;
+            if format.json {
+                return output::json(&blocks);
+            }
+            out!(
+                "{:>8} {:>5} {:>7}  {:<66}",
+                "height",
+                "txs",
+                "results",
+                "hash"
+            )?;
+            for b in &blocks {
+                out!(
+                    "{:>8} {:>5} {:>7}  {}",
+                    b.height,
+                    b.txs,
+                    b.compute_count,
+                    b.hash
+                )?;
+            }
+            Ok(())
+        }
+        LedgerCommand::Block { height, format } => {
+            let b = client.block(height)?;
+            if format.json {
+                return output::json(&b);
+            }
+            output::table(&[
+                ("height", b.block.height.to_string()),
+                ("hash", b.block.hash.clone()),
+                ("parent", b.block.prev_hash.clone()),
+                ("time (ms)", b.block.time_ms.to_string()),
+                (
+                    "compute_root",
+                    format!(
+                        "{} ({} results)",
+                        b.block.compute_root, b.block.compute_count
+                    ),
+                ),
+            ])?;
+            for t in &b.transactions {
+                out!(
+                    "  {} {:<14} {} -> {} amount {} fee {} nonce {}",
+                    t.id,
+                    t.kind,
+                    t.from,
+                    t.to.as_deref().unwrap_or("-"),
+                    t.amount,
+                    t.fee,
+                    t.nonce
+                )?;
+            }
+            Ok(())
+        }
+        LedgerCommand::Bench { .. } => unreachable!("handled by the caller"),
+    }
+}
+
+/// Waits up to `secs` for the node's account nonce to pass `nonce` (a block holds the
+/// transaction): whether it did.
+fn wait_in_block(
+    client: &cannabis_api::ApiClient,
+    address: &str,
+    nonce: u64,
+    secs: u64,
+) -> anyhow::Result<bool> {
+    let until = Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let b = client.balance(Some(address))?;
+        if b.nonce > nonce {
+            return Ok(true);
+        }
+        if Instant::now() >= until {
+            return Ok(false);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// `cannabis wallet balance|send|faucet`.
+pub(crate) fn wallet(command: WalletCommand, data_dir: &Path) -> anyhow::Result<()> {
+    let client = cannabis_api::ApiClient::from_data_dir(data_dir)?;
+    match command {
+        WalletCommand::Balance { address, format } => {
+            let b = client.balance(address.as_deref())?;
+            if format.json {
+                return output::json(&b);
+            }
+            output::table(&[
+                ("account", b.address),
+                ("balance", b.balance.to_string()),
+                ("spendable", b.spendable.to_string()),
+                ("vesting", b.vesting.to_string()),
+                ("next nonce", b.nonce.to_string()),
+                ("as of block", b.height.to_string()),
+            ])?;
+            Ok(())
+        }
+        WalletCommand::Send {
+            to,
+            amount,
+            wait,
+            format,
+        } => {
+            let s = client.send(&to, amount)?;
+            let included = wait > 0 && wait_in_block(&client, &s.from, s.nonce, wait)?;
+            report(&s, wait, included, format.json)
+        }
+        WalletCommand::Faucet { wait, format } => {
+            let me = client.balance(None)?;
+            let s = client.faucet()?;
+            let included = if wait > 0 {
+                let until = Instant::now() + std::time::Duration::from_secs(wait);
+                loop {
+                    let b = client.balance(None)?;
+                    if b.balance > me.balance {
+                        break true;
+                    }
+                    if Instant::now() >= until {
+                        break false;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+            } else {
+                false
+            };
+            report(&s, wait, included, format.json)
+        }
+    }
+}
+
+fn report(
+    s: &cannabis_api::Submitted,
+    wait: u64,
+    included: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    if json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            #[serde(flatten)]
+            submitted: &'a cannabis_api::Submitted,
+            in_block: bool,
+        }
+        return output::json(&Out {
+            submitted: s,
+            in_block: included,
+        });
+    }
+    out!(
+        "transaction {} kept by the sequencer (network fee {})",
+        s.id,
+        s.fee
+    )?;
+    if included {
+        out!("in a block")?;
+    } else if wait > 0 {
+        anyhow::bail!(
+            "not in a block after {wait} s; `cannabis ledger blocks` shows what the ledger took"
+        );
+    }
     Ok(())
 }

@@ -191,6 +191,12 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
     if let Some(socket) = &args.supervisor {
         config.supervisor = Some(socket.clone());
     }
+    if let Some(genesis) = &args.genesis {
+        config.ledger.genesis = Some(genesis.clone());
+    }
+    if args.ledger {
+        config.ledger.sequence = true;
+    }
     config.check()?;
 
     std::fs::create_dir_all(data_dir)

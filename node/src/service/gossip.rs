@@ -319,7 +319,7 @@ impl Node {
 
     /// Gossips a message. Having no peers yet is fine: peers that connect later get it
     /// through sync. Returns whether any peer was there to hear it.
-    fn gossip_publish(&mut self, topic: Topic, bytes: Vec<u8>) -> anyhow::Result<bool> {
+    pub(super) fn gossip_publish(&mut self, topic: Topic, bytes: Vec<u8>) -> anyhow::Result<bool> {
         match self
             .swarm
             .behaviour_mut()
@@ -410,18 +410,15 @@ impl Blocks {
 
 /// The full check of a block that passed the cheap ones: the header's signature, every
 /// transaction's, the roots.
-fn verify_block(
-    block: &cannabis_protocol::Block,
-) -> Result<(cannabis_protocol::Address, u64), Verdict> {
-    match block.verify() {
-        Ok((header, _)) => Ok((header.body.sequencer, header.body.height)),
-        Err(e) => Err(Verdict::Reject(cannabis_market::RejectReason::Decode(
+fn verify_block(block: cannabis_protocol::Block) -> Result<super::ledger::Checked, Verdict> {
+    super::ledger::Checked::verify(block).map_err(|reason| {
+        Verdict::Reject(cannabis_market::RejectReason::Decode(
             cannabis_protocol::DecodeError::Malformed {
                 kind: "block",
-                reason: e.to_string(),
+                reason,
             },
-        ))),
-    }
+        ))
+    })
 }
 
 impl Node {
@@ -434,8 +431,7 @@ impl Node {
         };
         let tx = self.self_tx.clone();
         tokio::task::spawn_blocking(move || {
-            let hash = block.hash();
-            let checked = verify_block(&block).map(|(seq, height)| (hash, seq, height));
+            let checked = verify_block(block).map(Box::new);
             let _ = tx.blocking_send(Command::BlockChecked(origin, checked));
         });
     }
@@ -444,16 +440,22 @@ impl Node {
     pub(super) fn block_checked(
         &mut self,
         origin: Origin,
-        checked: Result<(cannabis_protocol::Digest, cannabis_protocol::Address, u64), Verdict>,
+        checked: Result<Box<super::ledger::Checked>, Verdict>,
     ) {
         let verdict = match checked {
-            Ok((hash, sequencer, height)) => {
+            Ok(checked) => {
+                let (hash, sequencer, height) = checked.key();
                 if self.blocks.recent.contains(&hash) {
                     // The same block came twice while the first was being verified.
                     Verdict::Ignore(cannabis_market::IgnoreReason::Duplicate)
                 } else {
-                    self.blocks.taken(hash, sequencer, height);
-                    Verdict::Accept(hash)
+                    // Applied to the ledger (when the node keeps one) before it is
+                    // forwarded: a block that does not apply is rejected.
+                    let verdict = self.on_checked_block(origin, *checked);
+                    if matches!(verdict, Verdict::Accept(_)) {
+                        self.blocks.taken(hash, sequencer, height);
+                    }
+                    verdict
                 }
             }
             Err(v) => v,
@@ -552,8 +554,8 @@ mod tests {
         let good = block(&seq, 1);
         // The sequencer's own: checked in full, then taken once.
         let b = blocks.precheck(&good, &sequencers).unwrap();
-        let (s, h) = verify_block(&b).unwrap();
-        blocks.taken(b.hash(), s, h);
+        let (hash, s, h) = verify_block(b).unwrap().key();
+        blocks.taken(hash, s, h);
         assert!(matches!(
             blocks.precheck(&good, &sequencers),
             Err(Verdict::Ignore(cannabis_market::IgnoreReason::Duplicate))

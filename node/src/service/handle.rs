@@ -84,6 +84,43 @@ impl NodeHandle {
         self.ask(Command::Status).await
     }
 
+    /// The embedded ledger as this node holds it.
+    pub async fn ledger(&self) -> anyhow::Result<api::LedgerStatus> {
+        self.ask(Command::LedgerStatus).await?
+    }
+
+    /// An account (this node's when `None`).
+    pub async fn balance(
+        &self,
+        who: Option<cannabis_protocol::Address>,
+    ) -> anyhow::Result<api::Balance> {
+        self.ask(|tx| Command::Balance(who, tx)).await?
+    }
+
+    /// The newest blocks, newest first.
+    pub async fn blocks(&self, limit: u32) -> anyhow::Result<Vec<api::BlockSummary>> {
+        self.ask(|tx| Command::LedgerBlocks(limit, tx)).await?
+    }
+
+    /// One block with its transactions.
+    pub async fn block(&self, height: u64) -> anyhow::Result<api::BlockDetail> {
+        self.ask(|tx| Command::LedgerBlock(height, tx)).await?
+    }
+
+    /// Sends `amount` from this node's account to `to`: answered once the sequencer kept it.
+    pub async fn send(
+        &self,
+        to: cannabis_protocol::Address,
+        amount: cannabis_protocol::Amount,
+    ) -> anyhow::Result<api::Submitted> {
+        self.ask(|tx| Command::WalletSend(to, amount, tx)).await?
+    }
+
+    /// Asks the testnet's faucet for a grant to this node's account.
+    pub async fn faucet(&self) -> anyhow::Result<api::Submitted> {
+        self.ask(Command::WalletFaucet).await?
+    }
+
     /// Connected peers.
     pub async fn peers(&self) -> anyhow::Result<Vec<api::Peer>> {
         self.ask(Command::Peers).await

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use cannabis_protocol::{
-    ChallengeRequest, ChallengeResponse, MarketRequest, MarketResponse, SyncRequest, SyncResponse,
-    TransferRequest, TransferResponse, Wire as _,
+    ChallengeRequest, ChallengeResponse, LedgerRequest, LedgerResponse, MarketRequest,
+    MarketResponse, SyncRequest, SyncResponse, TransferRequest, TransferResponse, Wire as _,
 };
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::swarm::behaviour::toggle::Toggle;
@@ -23,6 +23,8 @@ pub const MARKET_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/marke
 pub const SYNC_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/sync/1");
 /// Protocol id of the transfer protocol (a lease's objects, one checked chunk at a time).
 pub const TRANSFER_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/transfer/1");
+/// Protocol id of the ledger protocol (transactions to the sequencer, blocks to catch up).
+pub const LEDGER_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/ledger/1");
 /// Protocol id of the capability challenge.
 pub const CHALLENGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/challenge/1");
 /// A challenge is sized to about two seconds of work with three times that as deadline;
@@ -58,6 +60,7 @@ pub struct Behaviour {
     pub(crate) sync: request_response::Behaviour<Codec<SyncRequest, SyncResponse>>,
     pub(crate) challenge: request_response::Behaviour<Codec<ChallengeRequest, ChallengeResponse>>,
     pub(crate) transfer: request_response::Behaviour<Codec<TransferRequest, TransferResponse>>,
+    pub(crate) ledger: request_response::Behaviour<Codec<LedgerRequest, LedgerResponse>>,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -187,6 +190,11 @@ impl Behaviour {
                 request_response::Config::default()
                     .with_request_timeout(Duration::from_secs(30))
                     .with_max_concurrent_streams(64),
+            ),
+            ledger: request_response::Behaviour::with_codec(
+                Codec::default(),
+                [(LEDGER_PROTOCOL, request_response::ProtocolSupport::Full)],
+                request_response::Config::default().with_request_timeout(Duration::from_secs(10)),
             ),
         })
     }

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use cannabis_api::{ApiClient, JobDetail};
 
+use super::testnet::{Restarted, Testnet};
+
 fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_cannabis"))
         .arg("--data-dir")
@@ -16,58 +18,6 @@ fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
         .args(args)
         .output()
         .unwrap()
-}
-
-/// `cannabis testnet up` in the background, taken down when dropped.
-struct Testnet {
-    dir: std::path::PathBuf,
-    up: std::process::Child,
-}
-
-impl Testnet {
-    fn up(dir: &Path, nodes: u32) -> Self {
-        use std::io::{BufRead as _, BufReader};
-        let mut up = Command::new(env!("CARGO_BIN_EXE_cannabis"))
-            .args(["testnet", "up", "--nodes", &nodes.to_string(), "--dir"])
-            .arg(dir)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        for line in BufReader::new(up.stdout.take().unwrap()).lines() {
-            if line.unwrap().contains("Ctrl-C") {
-                break;
-            }
-        }
-        Self {
-            dir: dir.to_path_buf(),
-            up,
-        }
-    }
-
-    /// Each node's data dir, in order.
-    fn nodes(&self) -> Vec<std::path::PathBuf> {
-        let record: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(self.dir.join("testnet.json")).unwrap())
-                .unwrap();
-        record["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|n| n["data_dir"].as_str().unwrap().into())
-            .collect()
-    }
-}
-
-impl Drop for Testnet {
-    fn drop(&mut self) {
-        let _ = Command::new(env!("CARGO_BIN_EXE_cannabis"))
-            .args(["testnet", "down", "--dir"])
-            .arg(&self.dir)
-            .output();
-        let _ = self.up.kill();
-        let _ = self.up.wait();
-    }
 }
 
 fn tar(dir: &Path, files: &[(&str, &str)]) -> std::path::PathBuf {
@@ -368,18 +318,6 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
 }
 
 /// A node process started again from the command line it had.
-struct Restarted(std::process::Child);
-
-impl Drop for Restarted {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.0.wait();
-    }
-}
-
 fn wait_job(
     dir: &Path,
     id: &str,
@@ -517,14 +455,7 @@ max_size = "1KiB"
     assert_ne!(replaced.tasks[0].ranks[0].worker, first.worker);
 
     // The killed worker starts again with the same data dir.
-    let restarted = Restarted(
-        Command::new(&cmdline[0])
-            .args(&cmdline[1..])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let restarted = Restarted::start(&cmdline);
     let done = wait_job(requester, &id, "the job to complete", 120, |j| {
         j.summary.state != cannabis_market::job::JobState::Open
     });

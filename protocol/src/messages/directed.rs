@@ -4,10 +4,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest, JobOffer,
-    LeaseAccept, LeaseRenewal, RunReport, wire,
+    Award, Bid, Block, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest, JobOffer,
+    LeaseAccept, LeaseRenewal, RunReport, Transaction, wire,
 };
-use crate::{Address, Signed, Uuid};
+use crate::{Address, Digest, Signed, Uuid};
 
 /// A request of the market protocol (`/cannabis/market/1`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,4 +176,61 @@ wire!(
     ChallengeResponse,
     "challenge response",
     8 * (crate::challenge::MAX_CHALLENGE_N as usize).pow(2) + 1024
+);
+
+/// A request of the ledger protocol (`/cannabis/ledger/1`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum LedgerRequest {
+    /// A signed transaction, to the sequencer: answered `submitted` once it is kept
+    /// durably for a block.
+    Submit(Signed<Transaction>),
+    /// Blocks from height `from` on, at most `max` (and at most 4 MiB of them), to any
+    /// node: how a node that was away catches up.
+    Blocks {
+        /// The first height wanted.
+        from: u64,
+        /// The most blocks wanted.
+        max: u32,
+    },
+    /// A testnet faucet's grant to `to`, to the sequencer when it holds the faucet's key.
+    Faucet {
+        /// Who receives the grant.
+        to: Address,
+    },
+}
+
+/// The answer to a [`LedgerRequest`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+#[serde(rename_all = "kebab-case")]
+pub enum LedgerResponse {
+    /// The transaction is kept for a block (its id).
+    Submitted {
+        /// The transaction's id.
+        id: Digest,
+    },
+    /// Blocks in height order, from the height asked (none: the node has none there).
+    Blocks(
+        #[cfg_attr(
+            feature = "arbitrary",
+            proptest(
+                strategy = "proptest::collection::vec(proptest::arbitrary::any::<Block>(), 0..2)"
+            )
+        )]
+        Vec<Block>,
+    ),
+    /// Refused, with the reason.
+    Refused {
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+wire!(LedgerRequest, "ledger request", 16 * 1024);
+wire!(
+    LedgerResponse,
+    "ledger response",
+    4 * 1024 * 1024 + 64 * 1024
 );

@@ -83,6 +83,8 @@ fn protocol_doc_names_every_field_and_variant() {
     names_of::<SyncResponse>(&mut runner, &mut fields);
     names_of::<TransferRequest>(&mut runner, &mut fields);
     names_of::<TransferResponse>(&mut runner, &mut fields);
+    names_of::<LedgerRequest>(&mut runner, &mut fields);
+    names_of::<LedgerResponse>(&mut runner, &mut fields);
     variant_names::<AdapterKind>(&mut runner, &mut variants);
     variant_names::<GpuVendor>(&mut runner, &mut variants);
     variant_names::<Collective>(&mut runner, &mut variants);
@@ -97,6 +99,8 @@ fn protocol_doc_names_every_field_and_variant() {
     variant_names::<MarketResponse>(&mut runner, &mut variants);
     variant_names::<SyncRequest>(&mut runner, &mut variants);
     variant_names::<TransferResponse>(&mut runner, &mut variants);
+    variant_names::<LedgerRequest>(&mut runner, &mut variants);
+    variant_names::<LedgerResponse>(&mut runner, &mut variants);
     variant_names::<ObjectKind>(&mut runner, &mut variants);
     assert!(fields.len() > 100, "collected only {} names", fields.len());
     assert!(

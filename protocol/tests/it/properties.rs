@@ -105,6 +105,8 @@ wire_properties! {
     sync_response: SyncResponse, 8;
     challenge_request: ChallengeRequest, 64;
     challenge_response: ChallengeResponse, 32;
+    ledger_request: LedgerRequest, 32;
+    ledger_response: LedgerResponse, 8;
 }
 
 /// Any single-byte change to a signed envelope's wire bytes makes it fail: to decode, or to

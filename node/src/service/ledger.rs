@@ -1,0 +1,951 @@
+//! The embedded ledger on the node: every node with the network's genesis keeps the
+//! blocks it takes and applies each to its `market::ledger::Ledger`; the sequencer also
+//! keeps the transactions it acknowledged and makes the blocks. The rules are the
+//! ledger's; this module decodes, verifies, persists, sends and runs the block timer.
+//!
+//! Durable before sent: the sequencer answers `submitted` only once the transaction is in
+//! its store, and publishes a block only once the block is; a node forwards a block only
+//! once it applied and kept it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use cannabis_market::ledger::{Ledger, TxRefusal};
+use cannabis_market::{Origin, RejectReason, Verdict};
+use cannabis_protocol::{
+    Address, Amount, Block, BlockHeader, Digest, Genesis, LedgerRequest, LedgerResponse, Signed,
+    Transaction, TxPayload, Verified,
+};
+use libp2p::PeerId;
+use libp2p::request_response::{Event, Message, OutboundRequestId, ResponseChannel};
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use super::{Command, Node, now};
+use crate::store::Store;
+use crate::swarm::{self, Topic};
+use cannabis_api as api;
+
+/// Most blocks one `blocks` request asks for and one answer holds.
+const BLOCKS_PER_ASK: u32 = 64;
+/// Most bytes of blocks in one answer (past the first block).
+const BLOCKS_BYTES: usize = 4 * 1024 * 1024;
+/// Most transactions one sender may have waiting at the sequencer.
+const WAITING_PER_SENDER: usize = 64;
+/// Most transactions waiting at the sequencer in all.
+const WAITING_MAX: usize = 100_000;
+/// Blocks above the next height kept aside while the ones between are fetched.
+const AHEAD_MAX: usize = 256;
+/// How often a node asks a peer whether it missed blocks.
+const CATCH_UP_EVERY: Duration = Duration::from_secs(60);
+/// One faucet grant per address per this many ms.
+const FAUCET_EVERY_MS: u64 = 60_000;
+
+/// A block whose signatures and roots were checked (off the driver).
+pub(crate) struct Checked {
+    block: Block,
+    header: Verified<BlockHeader>,
+    txs: Vec<Transaction>,
+}
+
+impl Checked {
+    /// Verifies `block` (signatures, counts, roots).
+    pub(crate) fn verify(block: Block) -> Result<Self, String> {
+        let (header, txs) = block.verify().map_err(|e| e.to_string())?;
+        let txs = txs.into_iter().map(|t| t.body).collect();
+        Ok(Self { block, header, txs })
+    }
+
+    fn height(&self) -> u64 {
+        self.header.body.height
+    }
+
+    /// Its hash, sequencer and height.
+    pub(crate) fn key(&self) -> (Digest, Address, u64) {
+        (
+            self.header.id,
+            self.header.body.sequencer,
+            self.header.body.height,
+        )
+    }
+}
+
+/// What a request sent for the API waits for.
+type Reply = oneshot::Sender<anyhow::Result<api::Submitted>>;
+
+/// The node's ledger.
+pub(crate) struct Chain {
+    ledger: Ledger,
+    /// This node makes the blocks.
+    sequencing: bool,
+    /// Transactions acknowledged and not in a block yet (the sequencer's), in arrival
+    /// order.
+    waiting: Vec<(Signed<Transaction>, Transaction)>,
+    /// When the next block is due (the sequencer's).
+    block_at: Option<tokio::time::Instant>,
+    /// Blocks above the next height, by height.
+    ahead: BTreeMap<u64, Checked>,
+    /// A `blocks` request in flight, and when the last one went.
+    asking: Option<OutboundRequestId>,
+    asked_at: Option<tokio::time::Instant>,
+    /// Faucet grants, by receiver: when (ms).
+    granted: HashMap<Address, u64>,
+    /// The next nonce this node gives its own transactions (its account's, or past the
+    /// ones it sent that are not in a block yet).
+    own_nonce: u64,
+    /// Requests sent for the API, by request.
+    pending: HashMap<OutboundRequestId, (Reply, api::Submitted)>,
+}
+
+impl Chain {
+    /// The ledger from `genesis` and the blocks kept in `store`, each checked again; the
+    /// transactions the sequencer acknowledged, if it is one.
+    pub(crate) fn open(
+        genesis: Genesis,
+        sequencing: bool,
+        me: &Address,
+        store: &Store,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            !sequencing || genesis.sequencer == *me,
+            "this node ({me}) is not the genesis' sequencer ({}): it cannot sequence the ledger",
+            genesis.sequencer
+        );
+        let mut ledger = Ledger::new(genesis)?;
+        let at = now().0;
+        loop {
+            let kept = store.blocks(ledger.height() + 1, 256, usize::MAX)?;
+            if kept.is_empty() {
+                break;
+            }
+            for bytes in kept {
+                let block: Block = cannabis_protocol::decode(&bytes)?;
+                let height = ledger.height() + 1;
+                ledger.apply_block(&block, at).map_err(|e| {
+                    anyhow::anyhow!("block {height} kept in the store does not apply: {e}")
+                })?;
+            }
+        }
+        let mut waiting = Vec::new();
+        if sequencing {
+            for bytes in store.pooled()? {
+                let signed: Signed<Transaction> = cannabis_protocol::decode(&bytes)?;
+                let body = signed.verify()?.body;
+                waiting.push((signed, body));
+            }
+            waiting.sort_by_key(|(_, t)| (t.from_address, t.nonce));
+        }
+        let own_nonce = ledger.account(me).nonce;
+        info!(
+            height = ledger.height(),
+            waiting = waiting.len(),
+            sequencing,
+            "ledger opened"
+        );
+        Ok(Self {
+            ledger,
+            sequencing,
+            block_at: (!waiting.is_empty()).then(tokio::time::Instant::now),
+            waiting,
+            ahead: BTreeMap::new(),
+            asking: None,
+            asked_at: None,
+            granted: HashMap::new(),
+            own_nonce,
+            pending: HashMap::new(),
+        })
+    }
+
+    /// When the sequencer makes its next block.
+    pub(crate) fn block_due(&self) -> Option<tokio::time::Instant> {
+        self.block_at
+    }
+
+    fn interval(&self) -> Duration {
+        Duration::from_millis(self.ledger.genesis().block_interval_ms)
+    }
+
+    /// Schedules a block if there is something for one and none is scheduled.
+    fn schedule(&mut self) {
+        if !self.sequencing || self.block_at.is_some() {
+            return;
+        }
+        let soon = tokio::time::Instant::now() + self.interval();
+        if !self.waiting.is_empty() {
+            self.block_at = Some(soon);
+        } else if let Some(due) = self.ledger.next_due() {
+            let wait = due.0.saturating_sub(now().0.0);
+            let at = tokio::time::Instant::now() + Duration::from_millis(wait);
+            self.block_at = Some(at.max(soon));
+        }
+    }
+
+    /// Checks a transaction for the waiting list: it verified; its nonce is not below its
+    /// sender's next, nor one already waiting; its sender has room.
+    fn admit(&self, tx: &Transaction) -> Result<(), String> {
+        let next = self.ledger.account(&tx.from_address).nonce;
+        if tx.nonce < next {
+            return Err(format!(
+                "nonce {} is used: {}'s next is {next}",
+                tx.nonce, tx.from_address
+            ));
+        }
+        let mine = self
+            .waiting
+            .iter()
+            .filter(|(_, t)| t.from_address == tx.from_address);
+        let mut count = 0;
+        for (_, t) in mine {
+            if t.nonce == tx.nonce {
+                return Err(format!("a transaction with nonce {} is waiting", tx.nonce));
+            }
+            count += 1;
+        }
+        if count >= WAITING_PER_SENDER {
+            return Err(format!(
+                "{WAITING_PER_SENDER} transactions of {} are waiting already",
+                tx.from_address
+            ));
+        }
+        if self.waiting.len() >= WAITING_MAX {
+            return Err("the sequencer is full: try again later".into());
+        }
+        // A transaction that cannot apply even in turn (a bad gas price, a lock on other
+        // terms) is refused now rather than dropped later.
+        match self.ledger.check(tx) {
+            Ok(()) | Err(TxRefusal::Nonce { .. }) => Ok(()),
+            Err(e @ (TxRefusal::GasPrice { .. } | TxRefusal::Terms(_))) => Err(e.to_string()),
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+impl Node {
+    /// The ledger's settings applied to the node's: blocks only from the genesis'
+    /// sequencer, offers with its fee terms.
+    pub(crate) fn open_chain(&mut self, genesis: Option<Genesis>) -> anyhow::Result<()> {
+        let Some(genesis) = genesis else {
+            return Ok(());
+        };
+        let chain = Chain::open(
+            genesis,
+            self.config.ledger.sequence,
+            &self.address,
+            &self.store,
+        )?;
+        self.chain = Some(chain);
+        Ok(())
+    }
+
+    /// After a failed write the ledger is opened again from the store (the truth): a
+    /// block applied in memory but not kept is taken again from peers.
+    pub(super) fn restore_chain(&mut self) {
+        let Some(chain) = self.chain.as_ref() else {
+            return;
+        };
+        let genesis = chain.ledger.genesis().clone();
+        match Chain::open(genesis, chain.sequencing, &self.address, &self.store) {
+            Ok(c) => self.chain = Some(c),
+            Err(e) => {
+                warn!(error = %format!("{e:#}"), "the ledger could not be opened again from the store")
+            }
+        }
+    }
+
+    /// A gossiped block that verified: applied if it is the next one (kept, then
+    /// forwarded), kept aside if it is ahead (and the ones between asked for), ignored if
+    /// this node has it.
+    pub(super) fn on_checked_block(&mut self, origin: Origin, checked: Checked) -> Verdict {
+        let hash = checked.header.id;
+        let from = match origin {
+            Origin::Gossip(id) => self.gossip.get(&id).map(|(_, p)| *p),
+            Origin::Sync(_) => None,
+        };
+        let Some(chain) = self.chain.as_mut() else {
+            return Verdict::Accept(hash);
+        };
+        let next = chain.ledger.height() + 1;
+        let height = checked.height();
+        if height < next {
+            return Verdict::Ignore(cannabis_market::IgnoreReason::Duplicate);
+        }
+        if height > next {
+            if chain.ahead.len() < AHEAD_MAX {
+                chain.ahead.insert(height, checked);
+            }
+            if let Some(peer) = from {
+                self.ask_blocks(peer);
+            }
+            // Signed by the sequencer: others behind may take it.
+            return Verdict::Accept(hash);
+        }
+        match self.take_block(checked) {
+            Ok(()) => {
+                self.take_ahead();
+                Verdict::Accept(hash)
+            }
+            Err(why) => Verdict::Reject(RejectReason::Decode(
+                cannabis_protocol::DecodeError::Malformed {
+                    kind: "block",
+                    reason: why,
+                },
+            )),
+        }
+    }
+
+    /// Applies the next block, keeps it, and settles what waited on it.
+    fn take_block(&mut self, checked: Checked) -> Result<(), String> {
+        let Some(chain) = self.chain.as_mut() else {
+            return Ok(());
+        };
+        let height = checked.height();
+        let txs: Vec<&Transaction> = checked.txs.iter().collect();
+        // Applied on a copy's worth of checks first: a block that does not apply changes
+        // nothing (the ledger refuses it whole).
+        let applied = chain
+            .ledger
+            .apply_verified(&checked.header, &txs, now().0)
+            .map_err(|e| e.to_string())?;
+        if let Err(e) =
+            self.store
+                .put_block(height, &cannabis_protocol::encode(&checked.block), &[])
+        {
+            // The ledger moved on in memory: the store is the truth, so the node goes
+            // read-only and opens the ledger again from it once writes go through.
+            self.enter_safe_mode(format!("{e:#}"));
+            return Ok(());
+        }
+        debug!(height, hash = %applied.hash, txs = txs.len(), "block taken");
+        let me = self.address;
+        if let Some(chain) = self.chain.as_mut() {
+            chain.own_nonce = chain.own_nonce.max(chain.ledger.account(&me).nonce);
+        }
+        Ok(())
+    }
+
+    /// Applies the blocks kept aside that are now next.
+    fn take_ahead(&mut self) {
+        loop {
+            let Some(chain) = self.chain.as_mut() else {
+                return;
+            };
+            let next = chain.ledger.height() + 1;
+            chain.ahead.retain(|h, _| *h >= next);
+            let Some(checked) = chain.ahead.remove(&next) else {
+                return;
+            };
+            if let Err(why) = self.take_block(checked) {
+                warn!(height = next, %why, "a block kept aside does not apply");
+                return;
+            }
+        }
+    }
+
+    /// Asks `peer` for the blocks after this node's height.
+    fn ask_blocks(&mut self, peer: PeerId) {
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        if chain.asking.is_some() {
+            return;
+        }
+        let from = chain.ledger.height() + 1;
+        let id = self.swarm.behaviour_mut().ledger.send_request(
+            &peer,
+            LedgerRequest::Blocks {
+                from,
+                max: BLOCKS_PER_ASK,
+            },
+        );
+        if let Some(chain) = self.chain.as_mut() {
+            chain.asking = Some(id);
+            chain.asked_at = Some(tokio::time::Instant::now());
+        }
+        debug!(%peer, from, "asked for blocks");
+    }
+
+    /// At upkeep: asks a peer (the sequencer, when connected) for blocks missed, at start
+    /// and every `CATCH_UP_EVERY`.
+    pub(super) fn catch_up_blocks(&mut self) {
+        let Some(chain) = self.chain.as_ref() else {
+            return;
+        };
+        if chain.sequencing
+            || chain.asking.is_some()
+            || chain
+                .asked_at
+                .is_some_and(|at| at.elapsed() < CATCH_UP_EVERY)
+        {
+            return;
+        }
+        let sequencer = swarm::peer_of(&chain.ledger.genesis().sequencer);
+        let peer = sequencer
+            .filter(|p| self.connections.contains_key(p))
+            .or_else(|| self.connections.keys().next().copied());
+        if let Some(peer) = peer {
+            self.ask_blocks(peer);
+        }
+    }
+
+    /// Makes the next block (the sequencer, when one is due): the waiting transactions that
+    /// apply, kept, applied, then published.
+    pub(super) fn make_block(&mut self) {
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        chain.block_at = None;
+        let at = now().0.max(chain.ledger.time());
+        let due = chain.ledger.next_due().is_some_and(|d| d <= at);
+        if chain.waiting.is_empty() && !due {
+            return;
+        }
+        let candidates = std::mem::take(&mut chain.waiting);
+        let proposal = chain.ledger.propose(at, candidates);
+        let block = match Block::build(
+            &self.keys.signing,
+            proposal.header.height,
+            proposal.header.prev_hash,
+            proposal.header.timestamp,
+            proposal.txs,
+        ) {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(error = %e, "no block made");
+                return;
+            }
+        };
+        let mut done: Vec<Digest> = block.txs.iter().map(Signed::id).collect();
+        for (signed, why) in &proposal.refused {
+            info!(tx = %signed.id(), %why, "a waiting transaction does not apply: dropped");
+            done.push(signed.id());
+        }
+        let height = proposal.header.height;
+        let bytes = cannabis_protocol::encode(&block);
+        if let Err(e) = self.store.put_block(height, &bytes, &done) {
+            // Nothing was sent: the transactions wait for the next try.
+            if let Some(chain) = self.chain.as_mut() {
+                chain.waiting = block
+                    .txs
+                    .iter()
+                    .filter_map(|s| s.verify().ok().map(|v| (s.clone(), v.body)))
+                    .chain(proposal.waiting)
+                    .collect();
+            }
+            self.enter_safe_mode(format!("{e:#}"));
+            return;
+        }
+        let header = Verified {
+            signer: self.address,
+            body: proposal.header,
+            id: block.hash(),
+        };
+        let bodies: Vec<Transaction> = block
+            .txs
+            .iter()
+            .filter_map(|s| cannabis_protocol::decode::<Transaction>(s.payload()).ok())
+            .collect();
+        let refs: Vec<&Transaction> = bodies.iter().collect();
+        let me = self.address;
+        if let Some(chain) = self.chain.as_mut() {
+            if let Err(e) = chain.ledger.apply_verified(&header, &refs, at) {
+                // The proposal applied on the same state: this is a defect. The block is
+                // kept; a restart applies it from the store, or says why it cannot.
+                warn!(height, error = %e, "the sequencer's own block does not apply");
+            }
+            chain.waiting = proposal.waiting;
+            chain.own_nonce = chain.own_nonce.max(chain.ledger.account(&me).nonce);
+            chain.schedule();
+        }
+        info!(height, hash = %header.id, txs = refs.len(), "block made");
+        if let Err(e) = self.gossip_publish(Topic::Blocks, bytes) {
+            warn!(height, error = %format!("{e:#}"), "block not gossiped; peers catch up by asking");
+        }
+    }
+
+    /// A transaction for the waiting list (the sequencer's): checked, kept, scheduled.
+    fn keep_waiting(
+        &mut self,
+        signed: Signed<Transaction>,
+    ) -> Result<(Digest, api::Submitted), String> {
+        let Some(chain) = self.chain.as_mut() else {
+            return Err("this node keeps no ledger (no genesis)".into());
+        };
+        if !chain.sequencing {
+            return Err(format!(
+                "this node does not sequence the ledger; its sequencer is {}",
+                chain.ledger.genesis().sequencer
+            ));
+        }
+        let tx = signed.verify().map_err(|e| e.to_string())?.body;
+        chain.admit(&tx)?;
+        let id = signed.id();
+        self.store
+            .put_pooled(&id, &signed.to_bytes())
+            .map_err(|e| format!("not kept: {e:#}"))?;
+        let submitted = api::Submitted {
+            id: id.to_string(),
+            from: tx.from_address.to_string(),
+            nonce: tx.nonce,
+            fee: tx.fee,
+        };
+        if let Some(chain) = self.chain.as_mut() {
+            chain.waiting.push((signed, tx));
+            chain.schedule();
+        }
+        Ok((id, submitted))
+    }
+
+    /// A faucet grant to `to`, signed by this node when it holds the faucet's key.
+    fn grant(&mut self, to: Address) -> Result<(Digest, api::Submitted), String> {
+        let Some(chain) = self.chain.as_mut() else {
+            return Err("this node keeps no ledger (no genesis)".into());
+        };
+        let faucet = chain
+            .ledger
+            .genesis()
+            .faucet
+            .clone()
+            .ok_or("this network has no faucet")?;
+        if !chain.sequencing || faucet.address != self.address {
+            return Err(format!("the faucet is {}, not this node", faucet.address));
+        }
+        let t = now().0.0;
+        if let Some(last) = chain.granted.get(&to)
+            && t.saturating_sub(*last) < FAUCET_EVERY_MS
+        {
+            return Err(format!(
+                "{to} had a grant less than {} s ago",
+                FAUCET_EVERY_MS / 1000
+            ));
+        }
+        chain.granted.insert(to, t);
+        chain
+            .granted
+            .retain(|_, at| t.saturating_sub(*at) < FAUCET_EVERY_MS);
+        let signed = self.sign_own(Some(to), faucet.grant, TxPayload::Transfer)?;
+        self.keep_waiting(signed)
+    }
+
+    /// A transaction from this node's account, with its next nonce.
+    fn sign_own(
+        &mut self,
+        to: Option<Address>,
+        amount: Amount,
+        payload: TxPayload,
+    ) -> Result<Signed<Transaction>, String> {
+        let Some(chain) = self.chain.as_mut() else {
+            return Err("this node keeps no ledger (no genesis)".into());
+        };
+        let nonce = chain
+            .own_nonce
+            .max(chain.ledger.account(&self.address).nonce);
+        let gas = chain.ledger.genesis().min_gas_price;
+        let tx = Transaction::new(self.address, to, amount, nonce, gas, payload)
+            .map_err(|e| e.to_string())?;
+        chain.own_nonce = nonce + 1;
+        Ok(Signed::sign(&self.keys.signing, &tx))
+    }
+
+    /// Events of the ledger protocol.
+    pub(super) fn on_ledger(&mut self, event: Event<LedgerRequest, LedgerResponse>) {
+        match event {
+            Event::Message {
+                peer,
+                message:
+                    Message::Request {
+                        request, channel, ..
+                    },
+                ..
+            } => self.serve_ledger(peer, request, channel),
+            Event::Message {
+                peer,
+                message:
+                    Message::Response {
+                        request_id,
+                        response,
+                    },
+                ..
+            } => self.ledger_answered(peer, request_id, Ok(response)),
+            Event::OutboundFailure {
+                peer,
+                request_id,
+                error,
+                ..
+            } => self.ledger_answered(peer, request_id, Err(error.to_string())),
+            Event::InboundFailure { peer, error, .. } => {
+                debug!(%peer, %error, "ledger request failed");
+            }
+            Event::ResponseSent { .. } => {}
+        }
+    }
+
+    fn serve_ledger(
+        &mut self,
+        peer: PeerId,
+        request: LedgerRequest,
+        channel: ResponseChannel<LedgerResponse>,
+    ) {
+        let refuse = |reason: String| LedgerResponse::Refused { reason };
+        let answer = if self.graylisted(&peer) {
+            refuse("graylisted".into())
+        } else if self.safe_mode.is_some() {
+            refuse("the node is read-only for now (its store refused a write)".into())
+        } else {
+            match request {
+                LedgerRequest::Blocks { from, max } => {
+                    let max = max.min(BLOCKS_PER_ASK) as usize;
+                    match self.store.blocks(from, max, BLOCKS_BYTES) {
+                        Ok(kept) => LedgerResponse::Blocks(
+                            kept.iter()
+                                .filter_map(|b| cannabis_protocol::decode(b).ok())
+                                .collect(),
+                        ),
+                        Err(e) => refuse(format!("reading blocks: {e:#}")),
+                    }
+                }
+                LedgerRequest::Submit(signed) => match self.keep_waiting(signed) {
+                    Ok((id, _)) => LedgerResponse::Submitted { id },
+                    Err(why) => refuse(why),
+                },
+                LedgerRequest::Faucet { to } => match self.grant(to) {
+                    Ok((id, _)) => LedgerResponse::Submitted { id },
+                    Err(why) => refuse(why),
+                },
+            }
+        };
+        let _ = self
+            .swarm
+            .behaviour_mut()
+            .ledger
+            .send_response(channel, answer);
+    }
+
+    fn ledger_answered(
+        &mut self,
+        peer: PeerId,
+        id: OutboundRequestId,
+        answer: Result<LedgerResponse, String>,
+    ) {
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        if chain.asking == Some(id) {
+            chain.asking = None;
+            match answer {
+                Ok(LedgerResponse::Blocks(blocks)) => self.check_fetched(peer, blocks),
+                Ok(other) => debug!(%peer, ?other, "no blocks"),
+                Err(e) => debug!(%peer, error = %e, "asking for blocks failed"),
+            }
+            return;
+        }
+        let Some((reply, submitted)) = chain.pending.remove(&id) else {
+            return;
+        };
+        let result = match answer {
+            Ok(LedgerResponse::Submitted { id }) => Ok(api::Submitted {
+                id: id.to_string(),
+                ..submitted
+            }),
+            Ok(LedgerResponse::Refused { reason }) => {
+                Err(anyhow::anyhow!("the sequencer refused it: {reason}"))
+            }
+            Ok(other) => Err(anyhow::anyhow!("the sequencer answered {other:?}")),
+            Err(e) => Err(anyhow::anyhow!("the sequencer could not be reached: {e}")),
+        };
+        if result.is_err() {
+            // The nonce was not used: the next transaction takes it.
+            let me = self.address;
+            if let Some(chain) = self.chain.as_mut() {
+                chain.own_nonce = chain.ledger.account(&me).nonce;
+            }
+        }
+        let _ = reply.send(result);
+    }
+
+    /// Blocks a peer sent on asking: verified off the driver, then taken in order.
+    fn check_fetched(&mut self, peer: PeerId, blocks: Vec<Block>) {
+        if blocks.is_empty() {
+            return;
+        }
+        let full = blocks.len() >= BLOCKS_PER_ASK as usize;
+        let tell = self.self_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let checked: Result<Vec<Checked>, String> =
+                blocks.into_iter().map(Checked::verify).collect();
+            let _ = tell.blocking_send(Command::BlocksFetched(peer, checked, full));
+        });
+    }
+
+    /// Blocks fetched from `peer` and verified: taken in order; more asked for if the
+    /// answer was full.
+    pub(super) fn blocks_fetched(
+        &mut self,
+        peer: PeerId,
+        checked: Result<Vec<Checked>, String>,
+        full: bool,
+    ) {
+        let blocks = match checked {
+            Ok(b) => b,
+            Err(why) => {
+                self.penalize(
+                    peer,
+                    super::directed::BAD_REQUEST_PENALTY,
+                    &format!("sent a bad block: {why}"),
+                );
+                return;
+            }
+        };
+        let mut took = 0;
+        for b in blocks {
+            let next = self.chain.as_ref().map_or(0, |c| c.ledger.height() + 1);
+            if b.height() != next {
+                continue;
+            }
+            if let Err(why) = self.take_block(b) {
+                warn!(%peer, height = next, %why, "a fetched block does not apply");
+                return;
+            }
+            took += 1;
+        }
+        self.take_ahead();
+        if took > 0 {
+            info!(%peer, took, height = self.chain.as_ref().map_or(0, |c| c.ledger.height()), "caught up on blocks");
+        }
+        if full && took > 0 {
+            self.ask_blocks(peer);
+        }
+    }
+
+    /// Sends a transaction of this node's to the sequencer (or keeps it, on the
+    /// sequencer); `reply` gets the answer.
+    fn submit_own(&mut self, signed: Signed<Transaction>, reply: Reply) {
+        let Some(chain) = self.chain.as_ref() else {
+            let _ = reply.send(Err(anyhow::anyhow!(
+                "this node keeps no ledger (no genesis)"
+            )));
+            return;
+        };
+        if chain.sequencing {
+            let kept = self
+                .keep_waiting(signed)
+                .map(|(_, s)| s)
+                .map_err(anyhow::Error::msg);
+            if kept.is_err() {
+                let me = self.address;
+                if let Some(chain) = self.chain.as_mut() {
+                    chain.own_nonce = chain.ledger.account(&me).nonce;
+                }
+            }
+            let _ = reply.send(kept);
+            return;
+        }
+        let sequencer = chain.ledger.genesis().sequencer;
+        let Some(peer) = swarm::peer_of(&sequencer) else {
+            let _ = reply.send(Err(anyhow::anyhow!(
+                "the sequencer's address {sequencer} names no peer"
+            )));
+            return;
+        };
+        let tx = match signed.verify() {
+            Ok(v) => v.body,
+            Err(e) => {
+                let _ = reply.send(Err(anyhow::anyhow!("{e}")));
+                return;
+            }
+        };
+        let submitted = api::Submitted {
+            id: signed.id().to_string(),
+            from: tx.from_address.to_string(),
+            nonce: tx.nonce,
+            fee: tx.fee,
+        };
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .ledger
+            .send_request(&peer, LedgerRequest::Submit(signed));
+        if let Some(chain) = self.chain.as_mut() {
+            chain.pending.insert(id, (reply, submitted));
+        }
+    }
+
+    /// `POST /v1/wallet/send`.
+    pub(super) fn wallet_send(&mut self, to: Address, amount: Amount, reply: Reply) {
+        // What this node's ledger says it cannot pay is refused here, before a nonce is
+        // used (a transfer the sequencer drops would hold up the ones after it).
+        if let Some(chain) = self.chain.as_ref() {
+            let g = chain.ledger.genesis();
+            let fee = g
+                .min_gas_price
+                .saturating_mul(cannabis_protocol::TxType::Transfer.gas_limit());
+            let needs = amount.0.saturating_add(fee);
+            let t = now().0.max(chain.ledger.time());
+            let spendable = chain.ledger.spendable(&self.address, t);
+            if needs > spendable.0 {
+                let _ = reply.send(Err(anyhow::anyhow!(
+                    "{amount} and the network fee {fee} need {needs}, but {spendable} is spendable"
+                )));
+                return;
+            }
+        }
+        match self.sign_own(Some(to), amount, TxPayload::Transfer) {
+            Ok(signed) => self.submit_own(signed, reply),
+            Err(e) => {
+                let _ = reply.send(Err(anyhow::anyhow!(e)));
+            }
+        }
+    }
+
+    /// `POST /v1/wallet/faucet`: a grant to this node's account.
+    pub(super) fn wallet_faucet(&mut self, reply: Reply) {
+        let Some(chain) = self.chain.as_ref() else {
+            let _ = reply.send(Err(anyhow::anyhow!(
+                "this node keeps no ledger (no genesis)"
+            )));
+            return;
+        };
+        if chain.sequencing {
+            let me = self.address;
+            let _ = reply.send(self.grant(me).map(|(_, s)| s).map_err(anyhow::Error::msg));
+            return;
+        }
+        let sequencer = chain.ledger.genesis().sequencer;
+        let Some(peer) = swarm::peer_of(&sequencer) else {
+            let _ = reply.send(Err(anyhow::anyhow!(
+                "the sequencer's address {sequencer} names no peer"
+            )));
+            return;
+        };
+        // The faucet pays the network fee of its transfer.
+        let fee = chain
+            .ledger
+            .genesis()
+            .min_gas_price
+            .saturating_mul(cannabis_protocol::TxType::Transfer.gas_limit());
+        let submitted = api::Submitted {
+            id: String::new(),
+            from: sequencer.to_string(),
+            nonce: 0,
+            fee: Amount(fee),
+        };
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .ledger
+            .send_request(&peer, LedgerRequest::Faucet { to: self.address });
+        if let Some(chain) = self.chain.as_mut() {
+            chain.pending.insert(id, (reply, submitted));
+        }
+    }
+
+    /// `GET /v1/ledger`.
+    pub(super) fn ledger_status(&self) -> anyhow::Result<api::LedgerStatus> {
+        let chain = self.chain()?;
+        let g = chain.ledger.genesis();
+        Ok(api::LedgerStatus {
+            network: g.network.clone(),
+            genesis: g.id().to_string(),
+            height: chain.ledger.height(),
+            tip: chain.ledger.tip().to_string(),
+            time_ms: chain.ledger.time().0,
+            sequencer: g.sequencer.to_string(),
+            sequencing: chain.sequencing,
+            waiting: chain.waiting.len(),
+            supply: g.supply,
+            fee_rate_bps: g.fee.rate_bps,
+            fee_recipient: g.fee.recipient.to_string(),
+            resolver: g.resolver.to_string(),
+            faucet: g.faucet.as_ref().map(|f| f.address.to_string()),
+            reward_pool: chain.ledger.pool(),
+        })
+    }
+
+    fn chain(&self) -> anyhow::Result<&Chain> {
+        self.chain.as_ref().ok_or_else(|| {
+            anyhow::anyhow!(
+                "this node keeps no ledger: start it with the network's genesis (--genesis FILE)"
+            )
+        })
+    }
+
+    /// `GET /v1/wallet/{address}`.
+    pub(super) fn balance(&self, who: Option<Address>) -> anyhow::Result<api::Balance> {
+        let chain = self.chain()?;
+        let who = who.unwrap_or(self.address);
+        let t = now().0.max(chain.ledger.time());
+        let account = chain.ledger.account(&who);
+        Ok(api::Balance {
+            address: who.to_string(),
+            balance: account.balance,
+            spendable: chain.ledger.spendable(&who, t),
+            vesting: chain.ledger.vesting_locked(&who, t),
+            nonce: account.nonce,
+            height: chain.ledger.height(),
+        })
+    }
+
+    /// `GET /v1/ledger/blocks`: the newest `limit` blocks, newest first.
+    pub(super) fn block_list(&self, limit: u32) -> anyhow::Result<Vec<api::BlockSummary>> {
+        let chain = self.chain()?;
+        let limit = u64::from(limit.clamp(1, 1000));
+        let top = chain.ledger.height();
+        let from = top.saturating_sub(limit - 1).max(1);
+        let mut out: Vec<api::BlockSummary> = self
+            .store
+            .blocks(from, limit as usize, usize::MAX)?
+            .iter()
+            .map(|b| cannabis_protocol::decode::<Block>(b).map(|b| summary(&b)))
+            .collect::<Result<_, _>>()?;
+        out.reverse();
+        Ok(out)
+    }
+
+    /// `GET /v1/ledger/blocks/{height}`.
+    pub(super) fn block_detail(&self, height: u64) -> anyhow::Result<api::BlockDetail> {
+        self.chain()?;
+        let kept = self.store.blocks(height, 1, usize::MAX)?;
+        let block: Block = match kept.first() {
+            Some(b) => cannabis_protocol::decode(b)?,
+            None => anyhow::bail!("no block {height} here"),
+        };
+        let b = summary(&block);
+        anyhow::ensure!(b.height == height, "no block {height} here");
+        let transactions = block
+            .txs
+            .iter()
+            .filter_map(|s| {
+                let t = cannabis_protocol::decode::<Transaction>(s.payload()).ok()?;
+                Some(api::TxSummary {
+                    id: s.id().to_string(),
+                    kind: t.tx_type().name().to_string(),
+                    from: t.from_address.to_string(),
+                    to: t.to_address.map(|a| a.to_string()),
+                    amount: t.amount,
+                    fee: t.fee,
+                    nonce: t.nonce,
+                })
+            })
+            .collect();
+        Ok(api::BlockDetail {
+            block: b,
+            transactions,
+        })
+    }
+}
+
+fn summary(block: &Block) -> api::BlockSummary {
+    let h = cannabis_protocol::decode::<BlockHeader>(block.header.payload()).ok();
+    api::BlockSummary {
+        height: h.as_ref().map_or(0, |h| h.height),
+        hash: block.hash().to_string(),
+        prev_hash: h
+            .as_ref()
+            .map_or(String::new(), |h| h.prev_hash.to_string()),
+        time_ms: h.as_ref().map_or(0, |h| h.timestamp.0),
+        txs: h.as_ref().map_or(0, |h| h.tx_count),
+        compute_count: h.as_ref().map_or(0, |h| h.compute_count),
+        compute_root: h
+            .as_ref()
+            .map_or(String::new(), |h| h.compute_root.to_string()),
+    }
+}
