@@ -31,6 +31,10 @@ pub use escrow::{Escrow, EscrowRefusal, Movement, Stage, Why};
 /// How far ahead of the validator's own clock a block's time may be.
 pub const MAX_FUTURE_MS: u64 = 30_000;
 
+/// Most bytes of signed transactions the sequencer puts in one block: the block's wire
+/// cap less room for its header and framing.
+pub const MAX_BLOCK_TX_BYTES: usize = <Block as cannabis_protocol::Wire>::MAX_SIZE - 16 * 1024;
+
 /// An account.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Account {
@@ -461,7 +465,7 @@ impl Ledger {
 
     /// The sequencer's next block at `now` from `candidates` (verified, in arrival order):
     /// per sender in nonce order, each that applies on top of the ones before it, up to the
-    /// network's most per block.
+    /// network's most per block and [`MAX_BLOCK_TX_BYTES`].
     pub fn propose(
         &self,
         now: Timestamp,
@@ -494,10 +498,13 @@ impl Ledger {
         }
         let max = self.genesis.max_block_txs as usize;
         let mut txs = Vec::new();
+        let mut bytes = 0usize;
         let mut waiting = Vec::new();
         for sender in order {
             for (_, (signed, tx)) in by_sender.remove(&sender).unwrap_or_default() {
-                if txs.len() >= max {
+                // Each in the block's array: its envelope and a few bytes of framing.
+                let size = signed.to_bytes().len().saturating_add(8);
+                if txs.len() >= max || bytes.saturating_add(size) > MAX_BLOCK_TX_BYTES {
                     waiting.push((signed, tx));
                     continue;
                 }
@@ -507,7 +514,10 @@ impl Ledger {
                     continue;
                 }
                 match d.apply(&tx) {
-                    Ok(()) => txs.push((signed, tx)),
+                    Ok(()) => {
+                        bytes = bytes.saturating_add(size);
+                        txs.push((signed, tx));
+                    }
                     Err(e) => refused.push((signed, e)),
                 }
             }

@@ -146,7 +146,8 @@ pub(crate) enum LedgerCommand {
         /// Accounts sending them.
         #[arg(long, default_value_t = 1_000)]
         accounts: usize,
-        /// Most transactions per block.
+        /// Most transactions per block (blocks are also capped at 1 MiB: about 2,900
+        /// transfers).
         #[arg(long, default_value_t = 5_000)]
         block_txs: u32,
         /// Compute results for the compute_root figure.

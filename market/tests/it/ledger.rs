@@ -69,7 +69,7 @@ fn genesis(
             seed_window: 4,
         },
         block_interval_ms: 100,
-        max_block_txs: 1_000,
+        max_block_txs: 10_000,
     }
 }
 
@@ -1113,4 +1113,63 @@ proptest! {
         }
         prop_assert_eq!(n.ledger.total(), n.supply());
     }
+}
+
+#[test]
+fn a_proposed_block_stays_within_the_block_wire_cap() {
+    let mut n = Net::new();
+    let senders: Vec<Keypair> = (100..140).map(key).collect();
+    let fund: Vec<_> = senders
+        .iter()
+        .map(|k| {
+            let r = n.requester.clone();
+            n.tx(&r, 10_000_000, Some(k.address()), TxPayload::Transfer)
+        })
+        .collect();
+    n.block(fund).unwrap();
+    let to = n.workers[0].address();
+    let candidates: Vec<_> = (0..5_000u64)
+        .map(|i| {
+            let k = &senders[(i % 40) as usize];
+            let t = Transaction::new(
+                k.address(),
+                Some(to),
+                Amount(1),
+                i / 40,
+                GAS_PRICE,
+                TxPayload::Transfer,
+            )
+            .unwrap();
+            (Signed::sign(k, &t), t)
+        })
+        .collect();
+    let p = n.ledger.propose(n.now, candidates);
+    assert!(
+        !p.waiting.is_empty(),
+        "5,000 transfers do not fit in one block"
+    );
+    assert!(p.refused.is_empty());
+    let taken = p.txs.len();
+    let block = Block::build(
+        &n.sequencer,
+        p.header.height,
+        p.header.prev_hash,
+        p.header.timestamp,
+        p.txs,
+    )
+    .unwrap();
+    let wire = cannabis_protocol::encode(&block);
+    assert!(
+        wire.len() <= <Block as cannabis_protocol::Wire>::MAX_SIZE,
+        "{} bytes",
+        wire.len()
+    );
+    assert!(
+        wire.len() > <Block as cannabis_protocol::Wire>::MAX_SIZE * 9 / 10,
+        "{} bytes for {taken}",
+        wire.len()
+    );
+    // It decodes on the other side, and applies.
+    let back: Block = cannabis_protocol::decode(&wire).unwrap();
+    n.ledger.apply_block(&back, n.now).unwrap();
 }

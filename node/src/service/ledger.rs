@@ -739,12 +739,12 @@ impl Node {
             let _ = reply.send(kept);
             return;
         }
-        let sequencer = chain.ledger.genesis().sequencer;
-        let Some(peer) = swarm::peer_of(&sequencer) else {
-            let _ = reply.send(Err(anyhow::anyhow!(
-                "the sequencer's address {sequencer} names no peer"
-            )));
-            return;
+        let peer = match sequencer_peer(chain) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
         };
         let tx = match signed.verify() {
             Ok(v) => v.body,
@@ -810,11 +810,12 @@ impl Node {
             return;
         }
         let sequencer = chain.ledger.genesis().sequencer;
-        let Some(peer) = swarm::peer_of(&sequencer) else {
-            let _ = reply.send(Err(anyhow::anyhow!(
-                "the sequencer's address {sequencer} names no peer"
-            )));
-            return;
+        let peer = match sequencer_peer(chain) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
         };
         // The faucet pays the network fee of its transfer.
         let fee = chain
@@ -931,6 +932,13 @@ impl Node {
             transactions,
         })
     }
+}
+
+/// The sequencer's peer id.
+fn sequencer_peer(chain: &Chain) -> anyhow::Result<PeerId> {
+    let sequencer = chain.ledger.genesis().sequencer;
+    swarm::peer_of(&sequencer)
+        .ok_or_else(|| anyhow::anyhow!("the sequencer's address {sequencer} names no peer"))
 }
 
 fn summary(block: &Block) -> api::BlockSummary {
