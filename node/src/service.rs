@@ -1230,6 +1230,9 @@ impl Node {
                     self.synced.insert(peer_id);
                     self.start_sync(peer_id);
                 }
+                if num_established.get() == 1 {
+                    self.blocks_on_connect(peer_id);
+                }
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,

@@ -38,6 +38,9 @@ const WAITING_MAX: usize = 100_000;
 const AHEAD_MAX: usize = 256;
 /// How often a node asks a peer whether it missed blocks.
 const CATCH_UP_EVERY: Duration = Duration::from_secs(60);
+/// On a new connection to a peer other than the sequencer, blocks are asked for at most
+/// this often.
+const ASK_ON_CONNECT_EVERY: Duration = Duration::from_secs(10);
 /// One faucet grant per address per this many ms.
 const FAUCET_EVERY_MS: u64 = 60_000;
 
@@ -362,6 +365,25 @@ impl Node {
             chain.asked_at = Some(tokio::time::Instant::now());
         }
         debug!(%peer, from, "asked for blocks");
+    }
+
+    /// A peer connected: asked for the blocks after this node's height when it is the
+    /// sequencer (a block it made while the two were apart reached no one), or when no
+    /// peer was asked in the last `ASK_ON_CONNECT_EVERY`.
+    pub(super) fn blocks_on_connect(&mut self, peer: PeerId) {
+        let Some(chain) = self.chain.as_ref() else {
+            return;
+        };
+        if chain.sequencing {
+            return;
+        }
+        let is_sequencer = sequencer_peer(chain).is_ok_and(|p| p == peer);
+        let lately = chain
+            .asked_at
+            .is_some_and(|at| at.elapsed() < ASK_ON_CONNECT_EVERY);
+        if is_sequencer || !lately {
+            self.ask_blocks(peer);
+        }
     }
 
     /// At upkeep: asks a peer (the sequencer, when connected) for blocks missed, at start
