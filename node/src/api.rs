@@ -129,6 +129,8 @@ pub fn serve(
         .route("/v1/ledger", get(ledger_status))
         .route("/v1/ledger/blocks", get(ledger_blocks))
         .route("/v1/ledger/blocks/{height}", get(ledger_block))
+        .route("/v1/ledger/compute", post(ledger_compute))
+        .route("/v1/ledger/results/{id}/proof", get(ledger_prove))
         .route("/v1/wallet/send", post(wallet_send))
         .route("/v1/wallet/faucet", post(wallet_faucet))
         .route("/v1/wallet/{address}", get(wallet_balance))
@@ -172,6 +174,39 @@ async fn ledger_block(
 ) -> Result<Json<api::BlockDetail>, Error> {
     s.node
         .block(height)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+#[derive(Deserialize)]
+struct ComputeQuery {
+    size: Option<u32>,
+}
+
+async fn ledger_compute(
+    State(s): State<AppState>,
+    Query(q): Query<ComputeQuery>,
+) -> Result<Json<api::Computed>, Error> {
+    s.node
+        .compute(q.size.unwrap_or(1024))
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn ledger_prove(
+    State(s): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<api::ResultProof>, Error> {
+    let id = id.parse().map_err(|e| {
+        Error(
+            StatusCode::BAD_REQUEST,
+            format!("{id:?} is not a result id: {e}"),
+        )
+    })?;
+    s.node
+        .prove(id)
         .await
         .map(Json)
         .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))

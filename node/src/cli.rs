@@ -133,6 +133,32 @@ pub(crate) enum LedgerCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Compute the proof-of-compute task the newest block seeds for this node and send its
+    /// result (`SUBMIT_RESULT`): a valid result earns a share of the block's reward.
+    Compute {
+        /// Matrix dimension.
+        #[arg(long, default_value_t = 1024)]
+        size: u32,
+        /// Wait until a block holds it, up to this many seconds (0: do not wait).
+        #[arg(long, default_value_t = 30)]
+        wait: u64,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Where a result is in the ledger: its block and the inclusion proof of its id in the
+    /// block's compute_root (JSON, for `verify-proof`).
+    Prove {
+        /// The result's id.
+        result: String,
+        /// Write the proof here (default: print it).
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+    /// Check a proof from `prove` against the block this node holds at its height.
+    VerifyProof {
+        /// The proof file.
+        file: PathBuf,
+    },
     /// Measure what a sequencer commits durably per second (signature checks on every
     /// core, blocks proposed, applied and committed to a redb file one fsync each), and
     /// compute_root over many results against SHA-256 of the same bytes.

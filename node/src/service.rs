@@ -182,6 +182,18 @@ pub(crate) enum Command {
     ),
     /// A faucet grant to this node's account.
     WalletFaucet(oneshot::Sender<anyhow::Result<api::Submitted>>),
+    /// Compute the task the newest block seeds for this node, and send its result.
+    Compute(u32, oneshot::Sender<anyhow::Result<api::Computed>>),
+    /// A result computed off the driver, to send.
+    Computed(
+        Box<(cannabis_protocol::ComputeResult, api::Computed)>,
+        oneshot::Sender<anyhow::Result<api::Computed>>,
+    ),
+    /// Where a result is in the ledger.
+    Prove(
+        cannabis_protocol::Digest,
+        oneshot::Sender<anyhow::Result<api::ResultProof>>,
+    ),
     /// A challenge this node answers has been proved.
     ChallengeProved(Option<cannabis_protocol::ChallengeResponse>),
     /// A challenge this node set has been checked.
@@ -988,6 +1000,11 @@ impl Node {
             }
             Command::WalletSend(to, amount, reply) => self.wallet_send(to, amount, reply),
             Command::WalletFaucet(reply) => self.wallet_faucet(reply),
+            Command::Compute(n, reply) => self.compute(n, reply),
+            Command::Computed(done, reply) => self.computed(*done, reply),
+            Command::Prove(id, reply) => {
+                let _ = reply.send(self.prove(&id));
+            }
             Command::ChallengeChecked(report, seed, reply) => {
                 self.record_challenge(report, seed, reply);
             }

@@ -227,4 +227,15 @@ impl ApiClient {
     pub fn block(&self, height: u64) -> anyhow::Result<api::BlockDetail> {
         self.get(&format!("/v1/ledger/blocks/{height}"))
     }
+
+    /// Computes the proof-of-compute task the newest block seeds for this node, and sends
+    /// its result to the ledger.
+    pub fn compute(&self, n: u32) -> anyhow::Result<api::Computed> {
+        self.post(&format!("/v1/ledger/compute?size={n}"), &())
+    }
+
+    /// Where a result is in the ledger, with its inclusion proof.
+    pub fn prove(&self, result_id: &str) -> anyhow::Result<api::ResultProof> {
+        self.get(&format!("/v1/ledger/results/{result_id}/proof"))
+    }
 }

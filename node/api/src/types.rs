@@ -606,3 +606,42 @@ pub struct Submitted {
     /// The network fee it pays.
     pub fee: Amount,
 }
+
+/// `POST /v1/ledger/compute`: a proof-of-compute result this node computed and sent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Computed {
+    /// The `SUBMIT_RESULT` transaction.
+    pub submitted: Submitted,
+    /// The result's id (a leaf of its block's `compute_root`).
+    pub result_id: String,
+    /// The height of the block whose hash seeded the task.
+    pub seed_height: u64,
+    /// That block's hash.
+    pub seed_hash: String,
+    /// The task's matrix dimension.
+    pub n: u32,
+    /// SHA-256 of the product.
+    pub result_hash: String,
+    /// How long the product took, ms.
+    pub ms: u64,
+}
+
+/// `GET /v1/ledger/results/{id}/proof`: where a result is in the ledger, and the
+/// inclusion proof against its block's `compute_root` (RFC 9162).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResultProof {
+    /// The result's id: the leaf.
+    pub result_id: String,
+    /// The block holding it.
+    pub height: u64,
+    /// That block's hash.
+    pub block_hash: String,
+    /// Its `compute_root`.
+    pub compute_root: String,
+    /// Its `compute_count`: the tree's size.
+    pub compute_count: u32,
+    /// The leaf's position.
+    pub index: u64,
+    /// Sibling hashes from the leaf up, hex.
+    pub path: Vec<String>,
+}

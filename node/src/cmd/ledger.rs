@@ -421,6 +421,83 @@ pub(crate) fn run(command: LedgerCommand, data_dir: &Path) -> anyhow::Result<()>
             }
             Ok(())
         }
+        LedgerCommand::Compute { size, wait, format } => {
+            let c = client.compute(size)?;
+            let included =
+                wait > 0 && wait_in_block(&client, &c.submitted.from, c.submitted.nonce, wait)?;
+            if format.json {
+                #[derive(Serialize)]
+                struct Out<'a> {
+                    #[serde(flatten)]
+                    computed: &'a cannabis_api::Computed,
+                    in_block: bool,
+                }
+                return output::json(&Out {
+                    computed: &c,
+                    in_block: included,
+                });
+            }
+            out!(
+                "computed the {n} x {n} task of block {} in {} ms: result {} (id {})",
+                c.seed_height,
+                c.ms,
+                c.result_hash,
+                c.result_id,
+                n = c.n
+            )?;
+            report(&c.submitted, wait, included, false)
+        }
+        LedgerCommand::Prove { result, out } => {
+            let proof = client.prove(&result)?;
+            let text = serde_json::to_string_pretty(&proof)? + "\n";
+            match out {
+                Some(path) => std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?,
+                None => out!("{}", text.trim_end())?,
+            }
+            Ok(())
+        }
+        LedgerCommand::VerifyProof { file } => {
+            let text =
+                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let proof: cannabis_api::ResultProof = serde_json::from_slice(&text)
+                .with_context(|| format!("{} is not a result proof", file.display()))?;
+            let block = client.block(proof.height)?.block;
+            anyhow::ensure!(
+                block.hash == proof.block_hash,
+                "block {} here is {}, not {}: another chain",
+                proof.height,
+                block.hash,
+                proof.block_hash
+            );
+            let parse = |s: &str| -> anyhow::Result<Digest> {
+                s.parse().map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
+            };
+            let root = parse(&block.compute_root)?;
+            let leaf = parse(&proof.result_id)?;
+            let inclusion = merkle::InclusionProof {
+                index: proof.index,
+                tree_size: u64::from(block.compute_count),
+                path: proof
+                    .path
+                    .iter()
+                    .map(|p| parse(p))
+                    .collect::<anyhow::Result<_>>()?,
+            };
+            inclusion
+                .verify(&leaf.0, &root)
+                .map_err(|e| anyhow::anyhow!("the proof does not hold: {e}"))?;
+            out!(
+                "result {} is leaf {} of {} in the compute_root {} of block {} ({})",
+                proof.result_id,
+                proof.index,
+                block.compute_count,
+                block.compute_root,
+                proof.height,
+                block.hash
+            )?;
+            Ok(())
+        }
         LedgerCommand::Bench { .. } => unreachable!("handled by the caller"),
     }
 }

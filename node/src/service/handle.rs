@@ -121,6 +121,16 @@ impl NodeHandle {
         self.ask(Command::WalletFaucet).await?
     }
 
+    /// Computes the task the newest block seeds for this node and sends its result.
+    pub async fn compute(&self, n: u32) -> anyhow::Result<api::Computed> {
+        self.ask(|tx| Command::Compute(n, tx)).await?
+    }
+
+    /// Where a result is in the ledger, with its inclusion proof.
+    pub async fn prove(&self, id: cannabis_protocol::Digest) -> anyhow::Result<api::ResultProof> {
+        self.ask(|tx| Command::Prove(id, tx)).await?
+    }
+
     /// Connected peers.
     pub async fn peers(&self) -> anyhow::Result<Vec<api::Peer>> {
         self.ask(Command::Peers).await

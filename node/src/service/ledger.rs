@@ -861,6 +861,129 @@ impl Node {
         }
     }
 
+    /// `POST /v1/ledger/compute`: the synthetic task seeded by the newest block and this
+    /// node's address, computed off the driver; its signed result goes to the sequencer in
+    /// a `SUBMIT_RESULT`.
+    pub(super) fn compute(
+        &mut self,
+        n: u32,
+        reply: oneshot::Sender<anyhow::Result<api::Computed>>,
+    ) {
+        let chain = match self.chain() {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let (height, hash) = (chain.ledger.height(), chain.ledger.tip());
+        let keys = self.keys.signing.clone();
+        let tell = self.self_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let task = match cannabis_protocol::synthetic::SyntheticTask::for_block(
+                &hash,
+                &keys.address(),
+                n,
+            ) {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = reply.send(Err(e.into()));
+                    return;
+                }
+            };
+            let started = std::time::Instant::now();
+            let result_hash = task.run();
+            let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let result = cannabis_protocol::ComputeResult::signed(
+                &keys,
+                Ledger::seed_task_id(&hash),
+                result_hash,
+                None,
+                Some(height),
+            );
+            let computed = api::Computed {
+                submitted: api::Submitted {
+                    id: String::new(),
+                    from: keys.address().to_string(),
+                    nonce: 0,
+                    fee: Amount::ZERO,
+                },
+                result_id: result.id().to_string(),
+                seed_height: height,
+                seed_hash: hash.to_string(),
+                n,
+                result_hash: result_hash.to_string(),
+                ms,
+            };
+            let _ = tell.blocking_send(Command::Computed(Box::new((result, computed)), reply));
+        });
+    }
+
+    /// A result computed off the driver: sent in a `SUBMIT_RESULT` from this node.
+    pub(super) fn computed(
+        &mut self,
+        (result, computed): (cannabis_protocol::ComputeResult, api::Computed),
+        reply: oneshot::Sender<anyhow::Result<api::Computed>>,
+    ) {
+        let signed = match self.sign_own(None, Amount::ZERO, TxPayload::SubmitResult(result)) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = reply.send(Err(anyhow::anyhow!(e)));
+                return;
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        self.submit_own(signed, tx);
+        tokio::spawn(async move {
+            let answer = match rx.await {
+                Ok(Ok(submitted)) => Ok(api::Computed {
+                    submitted,
+                    ..computed
+                }),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(anyhow::anyhow!("the node is stopping")),
+            };
+            let _ = reply.send(answer);
+        });
+    }
+
+    /// `GET /v1/ledger/results/{id}/proof`: the block holding result `id` (newest first)
+    /// and the inclusion proof of its id in that block's `compute_root`.
+    pub(super) fn prove(&self, id: &Digest) -> anyhow::Result<api::ResultProof> {
+        let chain = self.chain()?;
+        let mut height = chain.ledger.height();
+        while height > 0 {
+            let from = height.saturating_sub(63).max(1);
+            let kept = self.store.blocks(from, 64, usize::MAX)?;
+            for bytes in kept.iter().rev() {
+                let block: Block = cannabis_protocol::decode(bytes)?;
+                let bodies: Vec<Transaction> = block
+                    .txs
+                    .iter()
+                    .filter_map(|s| cannabis_protocol::decode::<Transaction>(s.payload()).ok())
+                    .collect();
+                let leaves = cannabis_protocol::compute_leaves(&bodies);
+                let Some(index) = leaves.iter().position(|l| l == &id.0) else {
+                    continue;
+                };
+                let header: BlockHeader = cannabis_protocol::decode(block.header.payload())?;
+                let proof = cannabis_protocol::merkle::prove(&leaves, index)
+                    .ok_or_else(|| anyhow::anyhow!("no proof for leaf {index}"))?;
+                return Ok(api::ResultProof {
+                    result_id: id.to_string(),
+                    height: header.height,
+                    block_hash: block.hash().to_string(),
+                    compute_root: header.compute_root.to_string(),
+                    compute_count: header.compute_count,
+                    index: proof.index,
+                    path: proof.path.iter().map(ToString::to_string).collect(),
+                });
+            }
+            height = from - 1;
+        }
+        anyhow::bail!("no block this node holds carries result {id}")
+    }
+
     /// `GET /v1/ledger`.
     pub(super) fn ledger_status(&self) -> anyhow::Result<api::LedgerStatus> {
         let chain = self.chain()?;

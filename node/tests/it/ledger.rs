@@ -1,7 +1,8 @@
 //! The embedded ledger on a testnet of real `cannabis` processes: the faucet and transfers
 //! reach every node's ledger through blocks; a sequencer killed with SIGKILL right after it
 //! acknowledged transactions loses none of them and goes on with a valid chain; a node
-//! that was away catches up and checks every block it missed.
+//! that was away catches up and checks every block it missed; a proof-of-compute result
+//! is rewarded and its inclusion proof checks against its block's `compute_root`.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -142,8 +143,64 @@ fn transfers_reach_every_node_and_a_killed_sequencer_loses_no_acknowledged_trans
         let _ = wait_balance(n, &a2, 30, |b| b.balance.0 == paid);
         assert_eq!(total + vesting + pool, supply.0, "{}", n.display());
     }
+
+    // A proof-of-compute result: node 1 computes the task the newest block seeds for it;
+    // the block that takes it pays it the block's reward (the only result: all of it).
+    let before = client(&nodes[1]).balance(None).unwrap().balance.0;
+    let computed = client(&nodes[1]).compute(32).unwrap();
+    assert_eq!(computed.submitted.fee.0, 80_000, "SUBMIT_RESULT's gas");
+    let rewarded = before - 80_000 + 1_000_000;
+    for n in &nodes {
+        wait_balance(n, &a1, 30, |b| b.balance.0 == rewarded);
+    }
+    // Its inclusion proof, from node 2, checked by node 0 against the block it holds.
+    let proof = dir.path().join("proof.json");
+    let out = cli(
+        &nodes[2],
+        &[
+            "ledger",
+            "prove",
+            &computed.result_id,
+            "--out",
+            proof.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(
+        &nodes[0],
+        &["ledger", "verify-proof", proof.to_str().unwrap()],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("is leaf 0 of 1"));
+    // Another result id does not hold against that root.
+    let text = std::fs::read_to_string(&proof).unwrap();
+    let forged = text.replace(&computed.result_id, &"ab".repeat(32));
+    std::fs::write(&proof, forged).unwrap();
+    let out = cli(
+        &nodes[0],
+        &["ledger", "verify-proof", proof.to_str().unwrap()],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not hold"));
     drop(back);
     drop(sequencer);
+}
+
+fn cli(dir: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .arg("--data-dir")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn kill(pid: i32) {
