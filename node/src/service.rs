@@ -700,6 +700,7 @@ impl Node {
                     self.drop_graylisted();
                     self.catch_up();
                     self.catch_up_blocks();
+                    self.own_nonce_upkeep();
                     self.reach_every_shard();
                     self.trim_connections();
                     if std::mem::take(&mut self.dropped_since_trim) > 0 {

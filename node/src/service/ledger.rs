@@ -41,6 +41,9 @@ const CATCH_UP_EVERY: Duration = Duration::from_secs(60);
 /// On a new connection to a peer other than the sequencer, blocks are asked for at most
 /// this often.
 const ASK_ON_CONNECT_EVERY: Duration = Duration::from_secs(10);
+/// How long this node's own transactions may stay out of every block before it stops
+/// counting them in its next nonce.
+const OWN_PATIENCE: Duration = Duration::from_secs(60);
 /// One faucet grant per address per this many ms.
 const FAUCET_EVERY_MS: u64 = 60_000;
 
@@ -96,6 +99,8 @@ pub(crate) struct Chain {
     /// The next nonce this node gives its own transactions (its account's, or past the
     /// ones it sent that are not in a block yet).
     own_nonce: u64,
+    /// When this node last signed a transaction of its own.
+    own_sent_at: Option<tokio::time::Instant>,
     /// Requests sent for the API, by request.
     pending: HashMap<OutboundRequestId, (Reply, api::Submitted)>,
 }
@@ -155,6 +160,7 @@ impl Chain {
             asked_at: None,
             granted: HashMap::new(),
             own_nonce,
+            own_sent_at: None,
             pending: HashMap::new(),
         })
     }
@@ -230,12 +236,14 @@ impl Node {
         let Some(genesis) = genesis else {
             return Ok(());
         };
-        let chain = Chain::open(
+        let mut chain = Chain::open(
             genesis,
             self.config.ledger.sequence,
             &self.address,
             &self.store,
         )?;
+        // An escrow timeout due (or past) while the sequencer was stopped gets its block.
+        chain.schedule();
         self.chain = Some(chain);
         Ok(())
     }
@@ -383,6 +391,28 @@ impl Node {
             .is_some_and(|at| at.elapsed() < ASK_ON_CONNECT_EVERY);
         if is_sequencer || !lately {
             self.ask_blocks(peer);
+        }
+    }
+
+    /// At upkeep: when this node's own transactions sent over `OWN_PATIENCE` ago are in no
+    /// block (the sequencer dropped them: they no longer applied), its next nonce is its
+    /// account's again, so the next ones do not wait behind a gap.
+    pub(super) fn own_nonce_upkeep(&mut self) {
+        let me = self.address;
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        let account = chain.ledger.account(&me).nonce;
+        let stale = chain
+            .own_sent_at
+            .is_some_and(|at| at.elapsed() > OWN_PATIENCE);
+        if chain.own_nonce > account && stale {
+            warn!(
+                next = chain.own_nonce,
+                account,
+                "transactions this node sent over a minute ago are in no block: its next nonce is its account's again"
+            );
+            chain.own_nonce = account;
         }
     }
 
@@ -565,6 +595,7 @@ impl Node {
         let tx = Transaction::new(self.address, to, amount, nonce, gas, payload)
             .map_err(|e| e.to_string())?;
         chain.own_nonce = nonce + 1;
+        chain.own_sent_at = Some(tokio::time::Instant::now());
         Ok(Signed::sign(&self.keys.signing, &tx))
     }
 
