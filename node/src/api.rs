@@ -131,6 +131,7 @@ pub fn serve(
         .route("/v1/ledger/blocks/{height}", get(ledger_block))
         .route("/v1/ledger/compute", post(ledger_compute))
         .route("/v1/ledger/results/{id}/proof", get(ledger_prove))
+        .route("/v1/ledger/txs/{id}", get(ledger_tx))
         .route("/v1/wallet/send", post(wallet_send))
         .route("/v1/wallet/faucet", post(wallet_faucet))
         .route("/v1/wallet/{address}", get(wallet_balance))
@@ -207,6 +208,23 @@ async fn ledger_prove(
     })?;
     s.node
         .prove(id)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+async fn ledger_tx(
+    State(s): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<api::TxDetail>, Error> {
+    let id = id.parse().map_err(|e| {
+        Error(
+            StatusCode::BAD_REQUEST,
+            format!("{id:?} is not a transaction id: {e}"),
+        )
+    })?;
+    s.node
+        .tx(id)
         .await
         .map(Json)
         .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))

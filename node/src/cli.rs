@@ -133,6 +133,13 @@ pub(crate) enum LedgerCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// A transaction the ledger took, and the block holding it.
+    Tx {
+        /// Its id.
+        id: String,
+        #[command(flatten)]
+        format: Format,
+    },
     /// Compute the proof-of-compute task the newest block seeds for this node and send its
     /// result (`SUBMIT_RESULT`): a valid result earns a share of the block's reward.
     Compute {

@@ -189,6 +189,11 @@ pub(crate) enum Command {
         Box<(cannabis_protocol::ComputeResult, api::Computed)>,
         oneshot::Sender<anyhow::Result<api::Computed>>,
     ),
+    /// A transaction the ledger took.
+    Tx(
+        cannabis_protocol::Digest,
+        oneshot::Sender<anyhow::Result<api::TxDetail>>,
+    ),
     /// Where a result is in the ledger.
     Prove(
         cannabis_protocol::Digest,
@@ -1005,6 +1010,9 @@ impl Node {
             Command::Computed(done, reply) => self.computed(*done, reply),
             Command::Prove(id, reply) => {
                 let _ = reply.send(self.prove(&id));
+            }
+            Command::Tx(id, reply) => {
+                let _ = reply.send(self.tx_detail(&id));
             }
             Command::ChallengeChecked(report, seed, reply) => {
                 self.record_challenge(report, seed, reply);

@@ -238,4 +238,9 @@ impl ApiClient {
     pub fn prove(&self, result_id: &str) -> anyhow::Result<api::ResultProof> {
         self.get(&format!("/v1/ledger/results/{result_id}/proof"))
     }
+
+    /// A transaction the ledger took, and where.
+    pub fn tx(&self, id: &str) -> anyhow::Result<api::TxDetail> {
+        self.get(&format!("/v1/ledger/txs/{id}"))
+    }
 }

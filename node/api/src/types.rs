@@ -536,6 +536,15 @@ pub struct Balance {
     pub nonce: u64,
     /// The height this is as of.
     pub height: u64,
+    /// As a worker: valid proof-of-compute results the ledger took.
+    #[serde(default)]
+    pub results: u64,
+    /// As a worker: assignments paid in full.
+    #[serde(default)]
+    pub paid: u64,
+    /// As a worker: disputes settled against it.
+    #[serde(default)]
+    pub strikes: u64,
 }
 
 /// A block, in short.
@@ -644,4 +653,17 @@ pub struct ResultProof {
     pub index: u64,
     /// Sibling hashes from the leaf up, hex.
     pub path: Vec<String>,
+}
+
+/// `GET /v1/ledger/txs/{id}`: a transaction the ledger took, and where.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TxDetail {
+    /// The transaction.
+    pub tx: TxSummary,
+    /// The block holding it.
+    pub height: u64,
+    /// That block's hash.
+    pub block_hash: String,
+    /// Its position in the block.
+    pub index: usize,
 }

@@ -498,6 +498,25 @@ pub(crate) fn run(command: LedgerCommand, data_dir: &Path) -> anyhow::Result<()>
             )?;
             Ok(())
         }
+        LedgerCommand::Tx { id, format } => {
+            let t = client.tx(&id)?;
+            if format.json {
+                return output::json(&t);
+            }
+            output::table(&[
+                ("transaction", t.tx.id.clone()),
+                ("type", t.tx.kind.clone()),
+                ("from", format!("{} (nonce {})", t.tx.from, t.tx.nonce)),
+                ("to", t.tx.to.clone().unwrap_or_else(|| "-".into())),
+                ("amount", t.tx.amount.to_string()),
+                ("network fee", t.tx.fee.to_string()),
+                (
+                    "in block",
+                    format!("{} ({}), position {}", t.height, t.block_hash, t.index),
+                ),
+            ])?;
+            Ok(())
+        }
         LedgerCommand::Bench { .. } => unreachable!("handled by the caller"),
     }
 }
@@ -539,6 +558,13 @@ pub(crate) fn wallet(command: WalletCommand, data_dir: &Path) -> anyhow::Result<
                 ("vesting", b.vesting.to_string()),
                 ("next nonce", b.nonce.to_string()),
                 ("as of block", b.height.to_string()),
+                (
+                    "as a worker",
+                    format!(
+                        "{} results taken, {} assignments paid, {} strikes",
+                        b.results, b.paid, b.strikes
+                    ),
+                ),
             ])?;
             Ok(())
         }

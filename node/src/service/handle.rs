@@ -126,6 +126,11 @@ impl NodeHandle {
         self.ask(|tx| Command::Compute(n, tx)).await?
     }
 
+    /// A transaction the ledger took, and where.
+    pub async fn tx(&self, id: cannabis_protocol::Digest) -> anyhow::Result<api::TxDetail> {
+        self.ask(|tx| Command::Tx(id, tx)).await?
+    }
+
     /// Where a result is in the ledger, with its inclusion proof.
     pub async fn prove(&self, id: cannabis_protocol::Digest) -> anyhow::Result<api::ResultProof> {
         self.ask(|tx| Command::Prove(id, tx)).await?

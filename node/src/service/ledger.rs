@@ -981,38 +981,86 @@ impl Node {
     /// `GET /v1/ledger/results/{id}/proof`: the block holding result `id` (newest first)
     /// and the inclusion proof of its id in that block's `compute_root`.
     pub(super) fn prove(&self, id: &Digest) -> anyhow::Result<api::ResultProof> {
+        let found = self.find_in_blocks(|block, bodies| {
+            let leaves = cannabis_protocol::compute_leaves(bodies);
+            let index = leaves.iter().position(|l| l == &id.0)?;
+            Some((block.clone(), leaves, index))
+        })?;
+        let Some((block, leaves, index)) = found else {
+            anyhow::bail!("no block this node holds carries result {id}");
+        };
+        let header: BlockHeader = cannabis_protocol::decode(block.header.payload())?;
+        let proof = cannabis_protocol::merkle::prove(&leaves, index)
+            .ok_or_else(|| anyhow::anyhow!("no proof for leaf {index}"))?;
+        Ok(api::ResultProof {
+            result_id: id.to_string(),
+            height: header.height,
+            block_hash: block.hash().to_string(),
+            compute_root: header.compute_root.to_string(),
+            compute_count: header.compute_count,
+            index: proof.index,
+            path: proof.path.iter().map(ToString::to_string).collect(),
+        })
+    }
+
+    /// `GET /v1/ledger/txs/{id}`: the block holding transaction `id`, newest first.
+    pub(super) fn tx_detail(&self, id: &Digest) -> anyhow::Result<api::TxDetail> {
+        let found = self.find_in_blocks(|block, bodies| {
+            let index = block.txs.iter().position(|s| s.id() == *id)?;
+            Some((
+                block.hash(),
+                index,
+                summarize_tx(&block.txs[index], &bodies[index]),
+            ))
+        })?;
+        let Some((hash, index, tx)) = found else {
+            anyhow::bail!("no block this node holds carries transaction {id}");
+        };
+        let height = self
+            .find_height(&hash)?
+            .ok_or_else(|| anyhow::anyhow!("block {hash} vanished"))?;
+        Ok(api::TxDetail {
+            tx,
+            height,
+            block_hash: hash.to_string(),
+            index,
+        })
+    }
+
+    /// The height of the kept block `hash`.
+    fn find_height(&self, hash: &Digest) -> anyhow::Result<Option<u64>> {
+        self.find_in_blocks(|block, _| {
+            (block.hash() == *hash)
+                .then(|| cannabis_protocol::decode::<BlockHeader>(block.header.payload()).ok())
+                .flatten()
+                .map(|h| h.height)
+        })
+    }
+
+    /// The first of the kept blocks, newest first, for which `pick` finds something (a scan:
+    /// fine for a testnet's chain; an index would serve a long one).
+    fn find_in_blocks<T>(
+        &self,
+        pick: impl Fn(&Block, &[Transaction]) -> Option<T>,
+    ) -> anyhow::Result<Option<T>> {
         let chain = self.chain()?;
         let mut height = chain.ledger.height();
         while height > 0 {
             let from = height.saturating_sub(63).max(1);
-            let kept = self.store.blocks(from, 64, usize::MAX)?;
-            for bytes in kept.iter().rev() {
+            for bytes in self.store.blocks(from, 64, usize::MAX)?.iter().rev() {
                 let block: Block = cannabis_protocol::decode(bytes)?;
                 let bodies: Vec<Transaction> = block
                     .txs
                     .iter()
-                    .filter_map(|s| cannabis_protocol::decode::<Transaction>(s.payload()).ok())
-                    .collect();
-                let leaves = cannabis_protocol::compute_leaves(&bodies);
-                let Some(index) = leaves.iter().position(|l| l == &id.0) else {
-                    continue;
-                };
-                let header: BlockHeader = cannabis_protocol::decode(block.header.payload())?;
-                let proof = cannabis_protocol::merkle::prove(&leaves, index)
-                    .ok_or_else(|| anyhow::anyhow!("no proof for leaf {index}"))?;
-                return Ok(api::ResultProof {
-                    result_id: id.to_string(),
-                    height: header.height,
-                    block_hash: block.hash().to_string(),
-                    compute_root: header.compute_root.to_string(),
-                    compute_count: header.compute_count,
-                    index: proof.index,
-                    path: proof.path.iter().map(ToString::to_string).collect(),
-                });
+                    .map(|s| cannabis_protocol::decode::<Transaction>(s.payload()))
+                    .collect::<Result<_, _>>()?;
+                if let Some(found) = pick(&block, &bodies) {
+                    return Ok(Some(found));
+                }
             }
             height = from - 1;
         }
-        anyhow::bail!("no block this node holds carries result {id}")
+        Ok(None)
     }
 
     /// `GET /v1/ledger`.
@@ -1051,6 +1099,7 @@ impl Node {
         let who = who.unwrap_or(self.address);
         let t = now().0.max(chain.ledger.time());
         let account = chain.ledger.account(&who);
+        let rating = chain.ledger.rating(&who);
         Ok(api::Balance {
             address: who.to_string(),
             balance: account.balance,
@@ -1058,6 +1107,9 @@ impl Node {
             vesting: chain.ledger.vesting_locked(&who, t),
             nonce: account.nonce,
             height: chain.ledger.height(),
+            results: rating.results,
+            paid: rating.paid,
+            strikes: rating.strikes,
         })
     }
 
@@ -1092,21 +1144,25 @@ impl Node {
             .iter()
             .filter_map(|s| {
                 let t = cannabis_protocol::decode::<Transaction>(s.payload()).ok()?;
-                Some(api::TxSummary {
-                    id: s.id().to_string(),
-                    kind: t.tx_type().name().to_string(),
-                    from: t.from_address.to_string(),
-                    to: t.to_address.map(|a| a.to_string()),
-                    amount: t.amount,
-                    fee: t.fee,
-                    nonce: t.nonce,
-                })
+                Some(summarize_tx(s, &t))
             })
             .collect();
         Ok(api::BlockDetail {
             block: b,
             transactions,
         })
+    }
+}
+
+fn summarize_tx(signed: &Signed<Transaction>, t: &Transaction) -> api::TxSummary {
+    api::TxSummary {
+        id: signed.id().to_string(),
+        kind: t.tx_type().name().to_string(),
+        from: t.from_address.to_string(),
+        to: t.to_address.map(|a| a.to_string()),
+        amount: t.amount,
+        fee: t.fee,
+        nonce: t.nonce,
     }
 }
 

@@ -151,7 +151,8 @@ fn transfers_reach_every_node_and_a_killed_sequencer_loses_no_acknowledged_trans
     assert_eq!(computed.submitted.fee.0, 80_000, "SUBMIT_RESULT's gas");
     let rewarded = before - 80_000 + 1_000_000;
     for n in &nodes {
-        wait_balance(n, &a1, 30, |b| b.balance.0 == rewarded);
+        let b = wait_balance(n, &a1, 30, |b| b.balance.0 == rewarded);
+        assert_eq!(b.results, 1, "the result counts on node 1's rating");
     }
     // Its inclusion proof, from node 2, checked by node 0 against the block it holds.
     let proof = dir.path().join("proof.json");
