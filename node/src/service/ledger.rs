@@ -41,6 +41,19 @@ const CATCH_UP_EVERY: Duration = Duration::from_secs(60);
 /// On a new connection to a peer other than the sequencer, blocks are asked for at most
 /// this often.
 const ASK_ON_CONNECT_EVERY: Duration = Duration::from_secs(10);
+/// How many `blocks` requests one peer is answered: 32 at once (2,048 blocks, a long
+/// catch-up), then 60 a minute; past it a peer is refused until its allowance refills (an
+/// answer reads up to 4 MiB from the store).
+const BLOCKS_RATE: cannabis_market::rate::Rate = cannabis_market::rate::Rate {
+    burst: 32,
+    per_minute: 60,
+};
+/// How many transactions (and faucet requests) one peer may hand the sequencer: each is a
+/// durable write. 256 at once, then 1,200 a minute.
+const SUBMIT_RATE: cannabis_market::rate::Rate = cannabis_market::rate::Rate {
+    burst: 256,
+    per_minute: 1_200,
+};
 /// How long this node's own transactions may stay out of every block before it stops
 /// counting them in its next nonce.
 const OWN_PATIENCE: Duration = Duration::from_secs(60);
@@ -101,6 +114,8 @@ pub(crate) struct Chain {
     own_nonce: u64,
     /// When this node last signed a transaction of its own.
     own_sent_at: Option<tokio::time::Instant>,
+    /// Ledger requests answered per peer (the allowances).
+    served: cannabis_market::rate::Limiter<(PeerId, bool)>,
     /// Requests sent for the API, by request.
     pending: HashMap<OutboundRequestId, (Reply, api::Submitted)>,
 }
@@ -161,6 +176,7 @@ impl Chain {
             granted: HashMap::new(),
             own_nonce,
             own_sent_at: None,
+            served: cannabis_market::rate::Limiter::default(),
             pending: HashMap::new(),
         })
     }
@@ -402,6 +418,7 @@ impl Node {
         let Some(chain) = self.chain.as_mut() else {
             return;
         };
+        chain.served.expire(now().0);
         let account = chain.ledger.account(&me).nonce;
         let stale = chain
             .own_sent_at
@@ -639,8 +656,20 @@ impl Node {
         channel: ResponseChannel<LedgerResponse>,
     ) {
         let refuse = |reason: String| LedgerResponse::Refused { reason };
+        let asks_blocks = matches!(request, LedgerRequest::Blocks { .. });
+        let rate = if asks_blocks {
+            BLOCKS_RATE
+        } else {
+            SUBMIT_RATE
+        };
+        let allowed = self
+            .chain
+            .as_mut()
+            .is_none_or(|c| c.served.take(rate, (peer, asks_blocks), now().0));
         let answer = if self.graylisted(&peer) {
             refuse("graylisted".into())
+        } else if !allowed {
+            refuse("too many ledger requests from you: try again in a minute".into())
         } else if self.safe_mode.is_some() {
             refuse("the node is read-only for now (its store refused a write)".into())
         } else {

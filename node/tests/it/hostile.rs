@@ -6,12 +6,12 @@ use std::io;
 use std::time::Duration;
 
 use cannabis_node::swarm::{
-    CHALLENGE_PROTOCOL, Codec, MARKET_PROTOCOL, SYNC_PROTOCOL, Topic, Topics,
+    CHALLENGE_PROTOCOL, Codec, LEDGER_PROTOCOL, MARKET_PROTOCOL, SYNC_PROTOCOL, Topic, Topics,
 };
 use cannabis_protocol::challenge::Claim;
 use cannabis_protocol::{
-    CapabilityAd, ChallengeRequest, ChallengeResponse, Digest, Keypair, Signed, SyncRequest,
-    SyncResponse, Timestamp,
+    CapabilityAd, ChallengeRequest, ChallengeResponse, Digest, Keypair, LedgerRequest,
+    LedgerResponse, Signed, SyncRequest, SyncResponse, Timestamp,
 };
 use futures::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, StreamExt as _};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
@@ -77,6 +77,7 @@ struct Hostile {
     rr: request_response::Behaviour<RawCodec>,
     challenge: request_response::Behaviour<Codec<ChallengeRequest, ChallengeResponse>>,
     sync: request_response::Behaviour<Codec<SyncRequest, SyncResponse>>,
+    ledger: request_response::Behaviour<Codec<LedgerRequest, LedgerResponse>>,
 }
 
 fn hostile_swarm() -> libp2p::Swarm<Hostile> {
@@ -145,6 +146,10 @@ fn build_hostile(secret: [u8; 32], signed: bool) -> libp2p::Swarm<Hostile> {
                 ),
                 sync: request_response::Behaviour::new(
                     [(SYNC_PROTOCOL, request_response::ProtocolSupport::Full)],
+                    request_response::Config::default(),
+                ),
+                ledger: request_response::Behaviour::new(
+                    [(LEDGER_PROTOCOL, request_response::ProtocolSupport::Outbound)],
                     request_response::Config::default(),
                 ),
             }
@@ -1172,4 +1177,107 @@ async fn the_memory_of_expired_offers_is_given_back() {
     );
     drop(h);
     a.stop().await;
+}
+
+/// A peer asking for blocks without end gets its allowance (32 at once, then 60 a minute),
+/// then refusals: each answer may read 4 MiB from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_asking_for_blocks_without_end_is_served_its_allowance() {
+    let dir = tempfile::tempdir().unwrap();
+    let genesis = dir.path().join("genesis.json");
+    let seq = Keypair::from_secret([0x5e; 32]).address();
+    let g = cannabis_protocol::Genesis {
+        network: "hostile".into(),
+        time: Timestamp(now_ms()),
+        sequencer: seq,
+        fee: cannabis_protocol::FeeTerms::founder(seq),
+        resolver: seq,
+        min_gas_price: 1,
+        supply: cannabis_protocol::Amount(1_000),
+        accounts: vec![cannabis_protocol::Allocation {
+            address: seq,
+            amount: cannabis_protocol::Amount(1_000),
+        }],
+        vesting: Vec::new(),
+        faucet: None,
+        rewards: cannabis_protocol::Rewards {
+            pool: cannabis_protocol::Amount(0),
+            per_block: cannabis_protocol::Amount(0),
+            seed_window: 8,
+        },
+        block_interval_ms: 100,
+        max_block_txs: 100,
+    };
+    std::fs::write(&genesis, serde_json::to_string(&g).unwrap()).unwrap();
+    let mut config = net::config(None);
+    config.ledger.genesis = Some(genesis);
+    config.gossip.fee = None;
+    let a = net::start_with(&dir.path().join("a"), config).await;
+    let mut hostile = hostile_swarm();
+    hostile.dial(a.addr.clone()).unwrap();
+    let a_peer = a.handle.peer_id();
+    drive_for(&mut hostile, 500).await;
+    for _ in 0..50 {
+        hostile
+            .behaviour_mut()
+            .ledger
+            .send_request(&a_peer, LedgerRequest::Blocks { from: 1, max: 64 });
+    }
+    let (mut served, mut refused, mut answered) = (0, 0, 0);
+    let _ = tokio::time::timeout(Duration::from_secs(20), async {
+        while answered < 50 {
+            if let SwarmEvent::Behaviour(HostileEvent::Ledger(request_response::Event::Message {
+                message: request_response::Message::Response { response, .. },
+                ..
+            })) = hostile.select_next_some().await
+            {
+                answered += 1;
+                match response {
+                    LedgerResponse::Blocks(b) => {
+                        assert!(b.is_empty(), "no block was made");
+                        served += 1;
+                    }
+                    LedgerResponse::Refused { reason } => {
+                        assert!(reason.contains("too many ledger requests"), "{reason}");
+                        refused += 1;
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    })
+    .await;
+    assert_eq!(answered, 50, "{served} served, {refused} refused");
+    // The burst, and what the rate adds in the moment this takes.
+    assert!(
+        (32..=34).contains(&served),
+        "{served} served, {refused} refused"
+    );
+    // Not the sequencer: a transaction is refused with where to send it.
+    let k = Keypair::from_secret([1; 32]);
+    let tx = cannabis_protocol::Transaction::new(
+        k.address(),
+        Some(seq),
+        cannabis_protocol::Amount(1),
+        0,
+        1,
+        cannabis_protocol::TxPayload::Transfer,
+    )
+    .unwrap();
+    hostile
+        .behaviour_mut()
+        .ledger
+        .send_request(&a_peer, LedgerRequest::Submit(Signed::sign(&k, &tx)));
+    let answer = drive_until(&mut hostile, 10, "the answer", |e| match e {
+        SwarmEvent::Behaviour(HostileEvent::Ledger(request_response::Event::Message {
+            message: request_response::Message::Response { response, .. },
+            ..
+        })) => Some(response),
+        _ => None,
+    })
+    .await;
+    assert!(
+        matches!(&answer, LedgerResponse::Refused { reason } if reason.contains(&format!("its sequencer is {seq}"))),
+        "{answer:?}"
+    );
 }
