@@ -29,10 +29,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest,
-    DeliveryRecipient, Digest, FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal,
-    MAX_AD_PASSES, MoneyError, NamedDigest, OutputDigest, Received, ResourceUsage, RunReport,
-    RunStage, Signed, TaskSpec, Timestamp, Uuid,
+    Address, Amount, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest,
+    DeliveryRecipient, Digest, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle, FeeTerms,
+    Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest,
+    OutputDigest, Received, ResourceUsage, ResultCommit, RunReport, RunStage, Signed, TaskSpec,
+    Timestamp, TxPayload, Uuid,
 };
 
 use crate::fanin::FaninConfig;
@@ -62,6 +63,11 @@ pub struct MarketConfig {
     /// offers carry them, and as a worker it declines offers that carry others. `None`:
     /// this node's network pins none, so it publishes no offer and takes none.
     pub fee: Option<FeeTerms>,
+    /// Who resolves disputes on the ledger this node settles through (the genesis names
+    /// it). `Some`: every job's budget is locked before any award, awards are assigned in
+    /// its escrow, and this node's deliveries are committed there ([`Output::Settle`]).
+    /// `None`: this node keeps no ledger and settles nothing.
+    pub resolver: Option<Address>,
 }
 
 /// Who this node is.
@@ -464,6 +470,57 @@ pub enum Output {
     /// [`Command::RankFailed`] if they cannot be had). Fenced: it comes once the manifest
     /// is durable; it comes again after a restart while the rank is still not done.
     Fetch(Box<Signed<DeliveryManifest>>),
+    /// Ask settlement for this (sign it as a transaction of this node's and submit it
+    /// once the ledger's state lets it apply). Fenced: it comes once the job or lease
+    /// behind it is durable. A lock is answered with [`Command::Locked`].
+    Settle(Settle),
+}
+
+/// What the engine asks of settlement: the [`crate::ledger`]'s escrow operations. The
+/// embedded ledger carries them as transactions; an adapter to another chain would map
+/// them to its own. Releases and refunds are the ledger's own doing (timeouts at block
+/// time, the escrow closing once every assignment settled); queries go to the ledger.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// Lock a job's budget with its pinned terms (before any award).
+    Lock(EscrowLock),
+    /// Bind an award (worker, epoch, price) to the job's escrow.
+    Assign(EscrowAssign),
+    /// This node, as worker, commits what it delivered.
+    Commit(ResultCommit),
+    /// The requester accepts a delivery, whole or in part.
+    Accept(EscrowSettle),
+    /// The requester disputes a delivery inside its review window.
+    Dispute(EscrowSettle),
+    /// The requester ends the job: undelivered assignments are cancelled, the rest of the
+    /// lock refunded once the delivered ones settle.
+    Cancel(EscrowCancel),
+}
+
+impl Settle {
+    /// The job it is about.
+    pub fn job(&self) -> Uuid {
+        match self {
+            Settle::Lock(l) => l.job_id,
+            Settle::Assign(a) => a.job_id,
+            Settle::Commit(c) => c.job_id,
+            Settle::Accept(s) | Settle::Dispute(s) => s.job_id,
+            Settle::Cancel(c) => c.job_id,
+        }
+    }
+
+    /// The amount the transaction moves (a lock's budget; nothing for the rest) and its
+    /// payload.
+    pub fn into_payload(self) -> (Amount, TxPayload) {
+        match self {
+            Settle::Lock(l) => (l.amount, TxPayload::EscrowLock(l)),
+            Settle::Assign(a) => (Amount::ZERO, TxPayload::EscrowAssign(a)),
+            Settle::Commit(c) => (Amount::ZERO, TxPayload::ResultCommit(c)),
+            Settle::Accept(s) => (Amount::ZERO, TxPayload::EscrowSettle(s)),
+            Settle::Dispute(s) => (Amount::ZERO, TxPayload::EscrowDispute(s)),
+            Settle::Cancel(c) => (Amount::ZERO, TxPayload::EscrowCancel(c)),
+        }
+    }
 }
 
 /// What the worker's executor must do for a lease this node holds. Each names its attempt
@@ -604,6 +661,30 @@ pub enum Command {
         /// The machine, as the probe describes it.
         hardware: String,
     },
+    /// The lock of a job's budget ([`Settle::Lock`]) is in a block (`refused: None`), or
+    /// it was refused: the job's tasks fail.
+    Locked {
+        /// The job.
+        job: Uuid,
+        /// Why it was refused.
+        refused: Option<String>,
+    },
+    /// The requester accepts what a job delivered: `part_ppm` of each delivered rank's
+    /// price is paid (1,000,000: all of it).
+    Accept {
+        /// The job.
+        job: Uuid,
+        /// The part accepted, in parts per million.
+        part_ppm: u32,
+    },
+    /// The requester disputes what a job delivered: the money stays in escrow until the
+    /// resolver settles it.
+    Dispute {
+        /// The job.
+        job: Uuid,
+        /// Why (kept in the job's history, for the resolver).
+        reason: String,
+    },
     /// A rank of one of this node's jobs failed, as its worker reported it.
     RankFailed {
         /// The job.
@@ -679,6 +760,15 @@ pub enum CommandError {
          (`gossip.fee` in the node's configuration)"
     )]
     NoFeeTerms,
+    /// The job settles through no ledger: there is nothing to accept or dispute.
+    #[error("job {0} is not settled through a ledger (this node has no genesis)")]
+    Unsettled(Uuid),
+    /// No rank of the job has delivered.
+    #[error("job {0} has no delivery to settle yet")]
+    NothingDelivered(Uuid),
+    /// A part outside 0..=100%.
+    #[error("a part of {0} ppm is not between 0 and 1,000,000")]
+    BadPart(u32),
 }
 
 /// What a request the engine sent was for.
@@ -819,6 +909,15 @@ impl Market {
                         for due in job.fetches_due() {
                             m.out.fenced(Output::Fetch(Box::new(due)));
                         }
+                        // A lock asked for before a restart is asked for again (settlement
+                        // answers at once if it is in a block already).
+                        if let Some(resolver) = m.config.resolver
+                            && *job.escrow() == crate::job::Escrowed::Locking
+                            && job.state() == JobState::Open
+                        {
+                            let order = requester::lock_of(job.offer(), job.offer_id(), resolver);
+                            m.out.fenced(Output::Settle(order));
+                        }
                         m.jobs.insert(id, *job);
                         m.rewake(id);
                     }
@@ -942,6 +1041,15 @@ impl Market {
                 epoch,
                 outputs,
             } => self.delivered(job, task, rank, epoch, &outputs),
+            Command::Locked { job, refused } => {
+                let now = self.now;
+                let j = self.job_mut(job)?;
+                let actions = j.on_locked(refused.map_or(Ok(()), Err), now);
+                self.job_changed(job, actions);
+                Ok(CommandOk::Done)
+            }
+            Command::Accept { job, part_ppm } => self.settle_delivered(job, Some(part_ppm), None),
+            Command::Dispute { job, reason } => self.settle_delivered(job, None, Some(reason)),
             Command::RankFailed {
                 job,
                 task,
@@ -950,10 +1058,7 @@ impl Market {
                 reason,
             } => {
                 let now = self.now;
-                let j = self
-                    .jobs
-                    .get_mut(&job)
-                    .ok_or(CommandError::UnknownJob(job))?;
+                let j = self.job_mut(job)?;
                 let actions = j.on_failed(task, rank, epoch, &reason, now)?;
                 self.job_changed(job, actions);
                 Ok(CommandOk::Done)

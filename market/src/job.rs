@@ -117,6 +117,23 @@ pub enum Failure {
     /// The money of the task did not add up (a defect; the task stops rather than pay).
     #[error("accounting: {0}")]
     Money(MoneyError),
+    /// The job's budget could not be locked in escrow, so nothing was awarded.
+    #[error("the budget was not locked: {0}")]
+    NotLocked(String),
+}
+
+/// Where a job's budget stands with settlement. No award goes out while it is
+/// [`Escrowed::Locking`]: no lock, no award.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Escrowed {
+    /// This node settles through no ledger (it has no genesis): nothing is locked or paid.
+    #[default]
+    Unsettled,
+    /// The lock was asked for and is not in a block yet.
+    Locking,
+    /// The budget is locked in the job's escrow.
+    Locked,
 }
 
 fn declined_note(declined: usize) -> String {
@@ -438,6 +455,9 @@ pub struct Job {
     /// version was published). `None` once that look was taken.
     #[serde(default)]
     early_look_at: Option<Timestamp>,
+    /// Where the budget stands with settlement.
+    #[serde(default)]
+    escrow: Escrowed,
 }
 
 /// How long after an early-placed job's offer (or a widened version of it) is published
@@ -534,10 +554,58 @@ impl Job {
             accept_evidence: Vec::new(),
             history_dropped: 0,
             early_look_at: None,
+            escrow: Escrowed::Unsettled,
         };
         job.early_look_at = job.early_look_after(now);
         job.log(now, None, "offer published; taking bids".into());
         job
+    }
+
+    /// Where the budget stands with settlement.
+    pub fn escrow(&self) -> &Escrowed {
+        &self.escrow
+    }
+
+    /// The budget's lock was asked for: nothing is awarded until [`Job::on_locked`].
+    pub fn lock_asked(&mut self, now: Timestamp) {
+        self.escrow = Escrowed::Locking;
+        self.log(
+            now,
+            None,
+            format!("locking the budget {} in escrow", self.offer.budget),
+        );
+    }
+
+    /// The lock is in a block (`Ok`), or it was refused: then every task fails, since
+    /// nothing may be awarded without it. Tasks whose bid window ended are placed now.
+    #[must_use]
+    pub fn on_locked(&mut self, result: Result<(), String>, now: Timestamp) -> Vec<Action> {
+        let mut actions = Vec::new();
+        if self.escrow != Escrowed::Locking {
+            return actions;
+        }
+        match result {
+            Ok(()) => {
+                self.escrow = Escrowed::Locked;
+                self.log(now, None, "budget locked in escrow".into());
+                actions = self.tick(now);
+            }
+            Err(why) => {
+                self.escrow = Escrowed::Unsettled;
+                self.log(now, None, format!("the escrow lock was refused: {why}"));
+                for i in 0..self.tasks.len() {
+                    if !self.tasks[i].status.is_final() {
+                        self.fail_task(i, Failure::NotLocked(why.clone()), now, &mut actions);
+                    }
+                }
+            }
+        }
+        actions
+    }
+
+    /// Adds a line to the job's history.
+    pub fn note(&mut self, now: Timestamp, text: String) {
+        self.log(now, None, text);
     }
 
     /// The job id.
@@ -1304,6 +1372,8 @@ impl Job {
         let mut at = self.offer.deadline;
         for t in &self.tasks {
             match t.status {
+                // Waiting for the lock: [`Job::on_locked`] places it.
+                TaskStatus::Bidding if self.escrow == Escrowed::Locking => {}
                 TaskStatus::Bidding => {
                     at = at.min(self.offer.expires_at);
                     if let Some(look) = self.early_look_at {
@@ -1341,6 +1411,10 @@ impl Job {
 
     /// Places task `i` from its bids within what is left of its budget, and awards it.
     fn place(&mut self, i: usize, now: Timestamp, actions: &mut Vec<Action>) {
+        if self.escrow == Escrowed::Locking {
+            // No lock, no award: placed once the lock holds.
+            return;
+        }
         let task = &self.tasks[i];
         if task.failures >= self.config.max_attempts {
             let why = Failure::GaveUp {

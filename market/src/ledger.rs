@@ -548,6 +548,21 @@ impl Ledger {
         self.due.first().map(|(t, _)| *t)
     }
 
+    /// The gas a requester's transactions for settling a job of `ranks` assignments use:
+    /// its lock, one assignment per rank, one acceptance per rank (a placement made again
+    /// assigns again; the network fee is this times the gas price, charged apart from the
+    /// budget).
+    pub fn settlement_gas(ranks: u64) -> u64 {
+        use cannabis_protocol::TxType;
+        TxType::EscrowLock.gas_limit().saturating_add(
+            ranks.saturating_mul(
+                TxType::EscrowAssign
+                    .gas_limit()
+                    .saturating_add(TxType::EscrowSettle.gas_limit()),
+            ),
+        )
+    }
+
     /// The task id of the proof-of-compute task seeded by the block `hash`: a result for
     /// it carries this `task_id` and the block's height as its `nonce`.
     pub fn seed_task_id(hash: &Digest) -> Uuid {

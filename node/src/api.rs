@@ -125,6 +125,8 @@ pub fn serve(
         .route("/v1/jobs/explain", post(explain))
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
+        .route("/v1/jobs/{id}/accept", post(judge_job))
+        .route("/v1/jobs/{id}/dispute", post(judge_job))
         .route("/v1/leases", get(leases))
         .route("/v1/ledger", get(ledger_status))
         .route("/v1/ledger/blocks", get(ledger_blocks))
@@ -132,6 +134,8 @@ pub fn serve(
         .route("/v1/ledger/compute", post(ledger_compute))
         .route("/v1/ledger/results/{id}/proof", get(ledger_prove))
         .route("/v1/ledger/txs/{id}", get(ledger_tx))
+        .route("/v1/ledger/escrows/{job}", get(ledger_escrow))
+        .route("/v1/ledger/submit", post(ledger_submit))
         .route("/v1/wallet/send", post(wallet_send))
         .route("/v1/wallet/faucet", post(wallet_faucet))
         .route("/v1/wallet/{address}", get(wallet_balance))
@@ -211,6 +215,33 @@ async fn ledger_prove(
         .await
         .map(Json)
         .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+async fn ledger_escrow(
+    State(s): State<AppState>,
+    UrlPath(job): UrlPath<String>,
+) -> Result<Json<cannabis_market::ledger::Escrow>, Error> {
+    let job = job_id(&job)?;
+    s.node
+        .escrow(job)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::NOT_FOUND, format!("{e:#}")))
+}
+
+async fn ledger_submit(
+    State(s): State<AppState>,
+    Json(req): Json<api::SubmitTx>,
+) -> Result<Json<api::Submitted>, Error> {
+    let bad = |e: String| Error(StatusCode::BAD_REQUEST, e);
+    let bytes = hex::decode(req.tx.trim()).map_err(|e| bad(format!("tx is not hex: {e}")))?;
+    let signed = cannabis_protocol::Signed::<cannabis_protocol::Transaction>::from_bytes(&bytes)
+        .map_err(|e| bad(format!("tx is not a signed transaction: {e}")))?;
+    s.node
+        .submit_tx(signed)
+        .await
+        .map(Json)
+        .map_err(|e| bad(format!("{e:#}")))
 }
 
 async fn ledger_tx(
@@ -360,6 +391,19 @@ async fn cancel_job(
     let id = job_id(&id)?;
     s.node
         .cancel_job(id)
+        .await
+        .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn judge_job(
+    State(s): State<AppState>,
+    UrlPath(id): UrlPath<String>,
+    Json(verdict): Json<api::Verdict>,
+) -> Result<Json<api::JobDetail>, Error> {
+    let id = job_id(&id)?;
+    s.node
+        .judge_job(id, verdict)
         .await
         .map(Json)
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))

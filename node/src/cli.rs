@@ -133,6 +133,31 @@ pub(crate) enum LedgerCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Settle a disputed delivery, as the network's resolver: signed with the keys of
+    /// `--data-dir` (on a testnet, its `founder/`), sent through the running node at
+    /// `--via` (docs/settlement.md).
+    Resolve {
+        /// The job id.
+        job: String,
+        /// The task index.
+        #[arg(long, default_value_t = 0)]
+        task: u32,
+        /// The rank.
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        /// What the worker side gets of the agreed price, its fee included: the whole
+        /// price clears the worker, less is a strike on its rating, 0 rejects the delivery.
+        #[arg(long)]
+        award: cannabis_protocol::Amount,
+        /// The data directory of a running node to submit through.
+        #[arg(long, value_name = "DIR")]
+        via: PathBuf,
+        /// Wait until a block holds it, up to this many seconds (0: do not wait).
+        #[arg(long, default_value_t = 30)]
+        wait: u64,
+        #[command(flatten)]
+        format: Format,
+    },
     /// A transaction the ledger took, and the block holding it.
     Tx {
         /// Its id.
@@ -683,10 +708,34 @@ pub(crate) enum JobCommand {
         #[command(flatten)]
         format: Format,
     },
-    /// Cancel a job: every rank holding a lease is told.
+    /// Cancel a job: every rank holding a lease is told; with a ledger, its escrow
+    /// cancels the undelivered ranks and refunds what is left once the delivered settle.
     Cancel {
         /// The job id.
         id: String,
+    },
+    /// Accept what a job delivered: each delivered rank is paid from its escrow (its
+    /// price, or `--part` of it), less the network's fee to its recipient; the rest of
+    /// the lock comes back once every rank settled.
+    Accept {
+        /// The job id.
+        id: String,
+        /// The part of each price paid, in percent (up to 4 decimals): `100`, `62.5`.
+        #[arg(long, value_name = "PERCENT", default_value = "100", value_parser = parse_percent)]
+        part: u32,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Dispute what a job delivered, inside its review window: the money stays in
+    /// escrow until the network's resolver settles it (docs/settlement.md).
+    Dispute {
+        /// The job id.
+        id: String,
+        /// Why, for the resolver (kept in the job's history).
+        #[arg(long)]
+        reason: String,
+        #[command(flatten)]
+        format: Format,
     },
     /// Write a job's delivered outputs into a folder, each checked against the digest its
     /// worker signed: `DIR/<output>` for one task of one rank, `DIR/rank-<r>/<output>` for
@@ -709,6 +758,35 @@ pub(crate) enum JobCommand {
         #[command(flatten)]
         format: Format,
     },
+}
+
+/// `62.5` (percent, up to 4 decimals) -> parts per million.
+fn parse_percent(s: &str) -> Result<u32, String> {
+    let s = s.trim().trim_end_matches('%');
+    let (whole, frac) = s.split_once('.').unwrap_or((s, ""));
+    if frac.len() > 4 || whole.is_empty() && frac.is_empty() {
+        return Err(format!(
+            "{s}: a percent with up to 4 decimals, such as 62.5"
+        ));
+    }
+    let digits = |d: &str| d.chars().all(|c| c.is_ascii_digit());
+    if !digits(whole) || !digits(frac) {
+        return Err(format!(
+            "{s}: a percent with up to 4 decimals, such as 62.5"
+        ));
+    }
+    let whole: u32 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| format!("{s}: too large"))?
+    };
+    let frac: u32 = format!("{frac:0<4}").parse().unwrap_or(0);
+    let ppm = whole
+        .checked_mul(10_000)
+        .and_then(|w| w.checked_add(frac))
+        .filter(|p| *p <= 1_000_000)
+        .ok_or_else(|| format!("{s}: a percent between 0 and 100"))?;
+    Ok(ppm)
 }
 
 #[derive(Debug, Args)]

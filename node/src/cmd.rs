@@ -50,6 +50,9 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
             &ledger::bench(&dir, txs, accounts, block_txs, results)?,
             format.json,
         ),
+        Command::Ledger(c @ crate::cli::LedgerCommand::Resolve { .. }) => {
+            ledger::resolve(c, &data_dir()?)
+        }
         Command::Ledger(c) => ledger::run(c, &data_dir()?),
         Command::Wallet(c) => ledger::wallet(c, &data_dir()?),
     }

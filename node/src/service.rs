@@ -13,6 +13,7 @@ mod gossip;
 mod handle;
 mod ledger;
 mod run;
+mod settle;
 mod transfer;
 
 pub use cannabis_market::OfferTemplate;
@@ -100,6 +101,11 @@ pub(crate) enum Command {
     CancelJob(
         cannabis_protocol::Uuid,
         oneshot::Sender<anyhow::Result<api::JobSummary>>,
+    ),
+    JudgeJob(
+        cannabis_protocol::Uuid,
+        api::Verdict,
+        oneshot::Sender<anyhow::Result<api::JobDetail>>,
     ),
     Explain(
         OfferTemplate,
@@ -194,11 +200,27 @@ pub(crate) enum Command {
         cannabis_protocol::Digest,
         oneshot::Sender<anyhow::Result<api::TxDetail>>,
     ),
+    /// A job's escrow.
+    Escrow(
+        cannabis_protocol::Uuid,
+        oneshot::Sender<anyhow::Result<cannabis_market::ledger::Escrow>>,
+    ),
+    /// A transaction signed elsewhere, for the sequencer.
+    SubmitTx(
+        Box<cannabis_protocol::Signed<cannabis_protocol::Transaction>>,
+        oneshot::Sender<anyhow::Result<api::Submitted>>,
+    ),
     /// Where a result is in the ledger.
     Prove(
         cannabis_protocol::Digest,
         oneshot::Sender<anyhow::Result<api::ResultProof>>,
     ),
+    /// The sequencer's answer to a settlement transaction of this node's.
+    SettleSent {
+        job: cannabis_protocol::Uuid,
+        lock: bool,
+        result: Result<(), String>,
+    },
     /// A challenge this node answers has been proved.
     ChallengeProved(Option<cannabis_protocol::ChallengeResponse>),
     /// A challenge this node set has been checked.
@@ -400,7 +422,7 @@ pub async fn start(
     // every outside handle is gone.
     let (internal_tx, internal_rx) = mpsc::channel(16);
     let (executor_tx, executor_rx) = watch::channel(None);
-    let market_config = market_config(&config);
+    let market_config = market_config(&config, genesis.as_ref());
     let (runner, running) = run::spawn(
         executor_rx.clone(),
         internal_tx.clone(),
@@ -502,8 +524,13 @@ pub async fn start(
 }
 
 /// The engine's settings from the node's.
-fn market_config(config: &NodeConfig) -> MarketConfig {
+fn market_config(
+    config: &NodeConfig,
+    genesis: Option<&cannabis_protocol::Genesis>,
+) -> MarketConfig {
     MarketConfig {
+        // With a ledger, jobs settle through it: locked before any award.
+        resolver: genesis.map(|g| g.resolver),
         view: ViewConfig::default(),
         leases: config.leases.clone(),
         worker: config.worker.clone(),
@@ -706,6 +733,8 @@ impl Node {
                     self.catch_up();
                     self.catch_up_blocks();
                     self.own_nonce_upkeep();
+                    self.settle_due();
+                    self.drain();
                     self.reach_every_shard();
                     self.trim_connections();
                     if std::mem::take(&mut self.dropped_since_trim) > 0 {
@@ -770,6 +799,7 @@ impl Node {
                     let _ = self.runner.send(order);
                 }
                 Output::Fetch(manifest) => self.start_fetch(*manifest),
+                Output::Settle(order) => self.on_settle(order),
             }
         }
     }
@@ -945,6 +975,24 @@ impl Node {
             Command::Job(id, reply) => {
                 let _ = reply.send(self.job_detail(&id));
             }
+            Command::JudgeJob(id, verdict, reply) => {
+                let command = match verdict {
+                    api::Verdict::Accept { part_ppm } => {
+                        MarketCommand::Accept { job: id, part_ppm }
+                    }
+                    api::Verdict::Dispute { reason } => MarketCommand::Dispute { job: id, reason },
+                };
+                let done = self.refuse_if_safe().and_then(|()| {
+                    self.market
+                        .command(now_ms, command)
+                        .map_err(anyhow::Error::from)
+                });
+                self.drain();
+                let detail = done
+                    .and_then(|_| self.refuse_if_safe())
+                    .and_then(|()| self.job_detail(&id));
+                let _ = reply.send(detail);
+            }
             Command::CancelJob(id, reply) => {
                 let done = self.refuse_if_safe().and_then(|()| {
                     self.market
@@ -1008,12 +1056,17 @@ impl Node {
             Command::WalletFaucet(reply) => self.wallet_faucet(reply),
             Command::Compute(n, reply) => self.compute(n, reply),
             Command::Computed(done, reply) => self.computed(*done, reply),
+            Command::SettleSent { job, lock, result } => self.settle_sent(job, lock, result),
             Command::Prove(id, reply) => {
                 let _ = reply.send(self.prove(&id));
             }
             Command::Tx(id, reply) => {
                 let _ = reply.send(self.tx_detail(&id));
             }
+            Command::Escrow(job, reply) => {
+                let _ = reply.send(self.escrow_of(&job));
+            }
+            Command::SubmitTx(signed, reply) => self.submit_foreign(*signed, reply),
             Command::ChallengeChecked(report, seed, reply) => {
                 self.record_challenge(report, seed, reply);
             }
@@ -1093,6 +1146,7 @@ impl Node {
 
     fn submit_job(&mut self, template: OfferTemplate) -> anyhow::Result<api::JobSummary> {
         self.refuse_if_safe()?;
+        self.can_lock(&template)?;
         let nonce = *crate::keystore::random_bytes::<16>()?;
         let done = self
             .market
@@ -1141,6 +1195,10 @@ impl Node {
             cannabis_market::matching::explain(spec, self.market.worker_ads(), &ctx)
         });
         self.add_deliveries(id, &mut detail);
+        detail.escrow = self
+            .chain
+            .as_ref()
+            .and_then(|c| c.ledger().escrow(id).cloned());
         Ok(detail)
     }
 

@@ -480,8 +480,11 @@ fn address_in(binary: &Path, data_dir: &Path, who: &str) -> anyhow::Result<Strin
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// What each node of a testnet holds at genesis (base units).
+pub const NODE_FUNDS: u64 = 1_000_000_000_000;
+
 /// The testnet's genesis, written on the first `up` (`genesis.json`): node 0 sequences the
-/// ledger and holds the faucet's account; the founder's keys receive the 1% fee, resolve
+/// ledger and holds the faucet's account; every other node holds [`NODE_FUNDS`]; the founder's keys receive the 1% fee, resolve
 /// disputes, and hold the founders' 1% of the supply, vesting over four years after a
 /// one-year cliff; a tenth of the supply rewards valid proof-of-compute results.
 fn genesis(opts: &TestnetOptions, founder: &str) -> anyhow::Result<PathBuf> {
@@ -501,6 +504,36 @@ fn genesis(opts: &TestnetOptions, founder: &str) -> anyhow::Result<PathBuf> {
         .as_millis() as u64;
     const SUPPLY: u64 = 1_000_000_000_000_000;
     const YEAR_MS: u64 = 365 * 24 * 3600 * 1000;
+    // Every node starts funded (jobs lock their budgets, workers pay the network fees of
+    // their commitments); node 0, the faucet, holds the rest of what is not the founders'
+    // or the reward pool's.
+    let each = (SUPPLY / 2 / opts.nodes.max(1) as u64).min(NODE_FUNDS);
+    let mut accounts = Vec::with_capacity(opts.nodes);
+    let mut rest = SUPPLY - SUPPLY / 100 - SUPPLY / 10;
+    for i in 1..opts.nodes {
+        let address = address_in(&opts.binary, &opts.dir.join(format!("node-{i}")), "a node")?
+            .parse()
+            .map_err(|e| anyhow::anyhow!("node {i}'s address: {e}"))?;
+        accounts.push(cannabis_protocol::Allocation {
+            address,
+            amount: cannabis_protocol::Amount(each),
+        });
+        rest -= each;
+    }
+    // The founder's keys resolve disputes: they pay the network fee of a resolution from
+    // spendable funds (their 1% of the supply is locked by its vesting).
+    accounts.push(cannabis_protocol::Allocation {
+        address: founder,
+        amount: cannabis_protocol::Amount(each),
+    });
+    rest -= each;
+    accounts.insert(
+        0,
+        cannabis_protocol::Allocation {
+            address: sequencer,
+            amount: cannabis_protocol::Amount(rest),
+        },
+    );
     let g = cannabis_protocol::Genesis {
         network: format!("cannabis-testnet-{now}"),
         time: cannabis_protocol::Timestamp(now),
@@ -509,10 +542,7 @@ fn genesis(opts: &TestnetOptions, founder: &str) -> anyhow::Result<PathBuf> {
         resolver: founder,
         min_gas_price: 1,
         supply: cannabis_protocol::Amount(SUPPLY),
-        accounts: vec![cannabis_protocol::Allocation {
-            address: sequencer,
-            amount: cannabis_protocol::Amount(SUPPLY - SUPPLY / 100 - SUPPLY / 10),
-        }],
+        accounts,
         vesting: vec![cannabis_protocol::Vesting {
             address: founder,
             amount: cannabis_protocol::Amount(SUPPLY / 100),

@@ -2,19 +2,38 @@
 //! here and only here), running jobs, widening calls that drew too few bids.
 
 use cannabis_protocol::{
-    Amount, Bid, Decline, DeliveryManifest, JobOffer, LeaseAccept, Message as _, NamedDigest,
-    Received, Uuid, draw, message_id,
+    Amount, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle,
+    JobOffer, LeaseAccept, Message as _, NamedDigest, Outcome, Received, Uuid, draw, message_id,
 };
 
 use super::{
     Bare, CommandError, CommandOk, Market, MarketEvent, Outbound, Output, Publish, Purpose,
-    RecordKey,
+    RecordKey, Settle,
 };
 use crate::fanin;
-use crate::job::{Action, Bidding, Job, JobState};
+use crate::job::{Action, Bidding, Escrowed, Job, JobState, LeaseState};
 use crate::matching;
 use crate::placement::Class;
 use crate::{OfferTemplate, Refusal};
+
+/// The lock of a job's budget: the offer's budget under its pinned terms, one assignment
+/// per rank of every task.
+pub(super) fn lock_of(
+    offer: &JobOffer,
+    id: cannabis_protocol::Digest,
+    resolver: cannabis_protocol::Address,
+) -> Settle {
+    Settle::Lock(EscrowLock {
+        job_id: offer.job_id,
+        offer: id,
+        amount: offer.budget,
+        fee: offer.fee.clone(),
+        deadline: offer.deadline,
+        review_window_ms: offer.review_window_ms,
+        resolver,
+        ranks: offer.tasks.iter().map(|t| t.group_size.max(1)).sum(),
+    })
+}
 
 impl Market {
     /// Makes the offer of a template (and its job, when `run_job`), and asks for it to be
@@ -100,7 +119,7 @@ impl Market {
                 early: t.early,
                 keep,
             };
-            let job = Job::new(
+            let mut job = Job::new(
                 offer.clone(),
                 id,
                 name,
@@ -108,6 +127,12 @@ impl Market {
                 bidding,
                 now,
             );
+            if let Some(resolver) = self.config.resolver {
+                // No lock, no award: the job places nothing until the lock is in a block.
+                job.lock_asked(now);
+                self.out
+                    .fenced(Output::Settle(lock_of(&offer, id, resolver)));
+            }
             self.jobs.insert(job_id, job);
             self.out.dirty(RecordKey::Job(job_id));
             self.rewake(job_id);
@@ -128,20 +153,92 @@ impl Market {
         })
     }
 
+    /// One of this node's jobs, to change.
+    pub(super) fn job_mut(&mut self, job: Uuid) -> Result<&mut Job, CommandError> {
+        self.jobs.get_mut(&job).ok_or(CommandError::UnknownJob(job))
+    }
+
     pub(super) fn cancel(&mut self, job: Uuid) -> Result<CommandOk, CommandError> {
         let now = self.now;
-        let j = self
-            .jobs
-            .get_mut(&job)
-            .ok_or(CommandError::UnknownJob(job))?;
+        let j = self.job_mut(job)?;
         if j.state() != JobState::Open {
             return Err(CommandError::JobOver {
                 job,
                 state: j.state(),
             });
         }
+        let settled = *j.escrow() != Escrowed::Unsettled;
         let actions = j.cancel(now);
         self.job_changed(job, actions);
+        if settled {
+            self.out
+                .fenced(Output::Settle(Settle::Cancel(EscrowCancel { job_id: job })));
+        }
+        Ok(CommandOk::Done)
+    }
+
+    /// The requester accepts (`part_ppm`) or disputes (`reason`) every delivered rank of a
+    /// job: one escrow operation each, at the rank's delivered epoch. Settlement refuses
+    /// what no longer applies (a rank already paid, a window that ended), so asking twice
+    /// moves no money twice.
+    pub(super) fn settle_delivered(
+        &mut self,
+        job: Uuid,
+        part_ppm: Option<u32>,
+        reason: Option<String>,
+    ) -> Result<CommandOk, CommandError> {
+        let now = self.now;
+        let j = self.job_mut(job)?;
+        if *j.escrow() == Escrowed::Unsettled {
+            return Err(CommandError::Unsettled(job));
+        }
+        let outcome = match part_ppm {
+            Some(p) if p > cannabis_protocol::PPM_DENOMINATOR => {
+                return Err(CommandError::BadPart(p));
+            }
+            Some(cannabis_protocol::PPM_DENOMINATOR) => Outcome::Accepted,
+            Some(p) => Outcome::PartiallyAccepted { accepted_ppm: p },
+            None => Outcome::Rejected,
+        };
+        let delivered: Vec<EscrowSettle> = j
+            .tasks()
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| {
+                t.ranks()
+                    .iter()
+                    .filter(|a| a.state == LeaseState::Done)
+                    .map(move |a| EscrowSettle {
+                        job_id: job,
+                        task: i as u32,
+                        rank: a.rank,
+                        epoch: a.epoch,
+                        outcome,
+                    })
+            })
+            .collect();
+        if delivered.is_empty() {
+            return Err(CommandError::NothingDelivered(job));
+        }
+        let text = match (&reason, outcome) {
+            (Some(r), _) => format!("disputed {} deliveries: {r}", delivered.len()),
+            (None, Outcome::Accepted) => format!("accepted {} deliveries", delivered.len()),
+            (None, _) => format!(
+                "accepted {:.1}% of {} deliveries",
+                f64::from(part_ppm.unwrap_or(0)) / 10_000.0,
+                delivered.len()
+            ),
+        };
+        j.note(now, text);
+        self.out.dirty(RecordKey::Job(job));
+        for s in delivered {
+            let op = if reason.is_some() {
+                Settle::Dispute(s)
+            } else {
+                Settle::Accept(s)
+            };
+            self.out.fenced(Output::Settle(op));
+        }
         Ok(CommandOk::Done)
     }
 
@@ -154,10 +251,7 @@ impl Market {
         outputs: &[NamedDigest],
     ) -> Result<CommandOk, CommandError> {
         let now = self.now;
-        let j = self
-            .jobs
-            .get_mut(&job)
-            .ok_or(CommandError::UnknownJob(job))?;
+        let j = self.job_mut(job)?;
         let actions = j.on_delivered(task, rank, epoch, outputs, now)?;
         self.job_changed(job, actions);
         Ok(CommandOk::Done)
@@ -462,6 +556,16 @@ impl Market {
                         rank: award.rank,
                         epoch: award.epoch,
                     };
+                    if self.jobs.get(&job).map(Job::escrow) == Some(&Escrowed::Locked) {
+                        self.out.fenced(Output::Settle(Settle::Assign(EscrowAssign {
+                            job_id: job,
+                            task: award.task,
+                            rank: award.rank,
+                            worker: award.worker,
+                            epoch: award.epoch,
+                            price: award.price,
+                        })));
+                    }
                     self.send(award.worker, Outbound::Award(award), purpose);
                 }
                 Action::Renew(renewal) => {
@@ -486,10 +590,14 @@ impl Market {
             && was_open
             && j.state() != JobState::Open
         {
-            self.event(MarketEvent::JobEnded {
-                job,
-                state: j.state(),
-            });
+            let state = j.state();
+            // A failed job gives its budget back at once: its escrow is cancelled (what
+            // was delivered still settles), rather than waiting for the deadline.
+            if state == JobState::Failed && *j.escrow() != Escrowed::Unsettled {
+                self.out
+                    .fenced(Output::Settle(Settle::Cancel(EscrowCancel { job_id: job })));
+            }
+            self.event(MarketEvent::JobEnded { job, state });
         }
     }
 

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use cannabis_protocol::{
     Address, Award, Cancel, DeliveryManifest, JobOffer, LeaseRenewal, NamedDigest, OutputDigest,
-    Received, ResourceUsage, RunReport, RunStage, TaskInput, message_id,
+    Received, ResourceUsage, ResultCommit, RunReport, RunStage, TaskInput, message_id,
 };
 
-use super::{KEEP_ENDED_MS, Market, MarketEvent, Outbound, Output, Purpose, RecordKey, RunOrder};
+use super::{
+    KEEP_ENDED_MS, Market, MarketEvent, Outbound, Output, Purpose, RecordKey, RunOrder, Settle,
+};
 use crate::Refusal;
 use crate::lease::{AssignmentKey, Lease, SentBid, Stopped};
 use crate::quote::{self, Answer};
@@ -227,7 +229,19 @@ impl Market {
             issued_at: now,
         };
         let purpose = Purpose::Other("delivery", lease.requester);
+        let commit = ResultCommit {
+            job_id: key.0,
+            task: key.1,
+            rank: key.2,
+            epoch: lease.epoch,
+            manifest: message_id(&manifest),
+        };
         self.send(lease.requester, Outbound::Deliver(manifest), purpose);
+        if self.config.resolver.is_some() {
+            // Committed on the ledger: the review window runs from its block, and the
+            // escrow pays it when the window ends undisputed.
+            self.out.fenced(Output::Settle(Settle::Commit(commit)));
+        }
         Ok(())
     }
 

@@ -69,6 +69,8 @@ pub struct Head {
     history_dropped: u64,
     #[serde(default)]
     early_look_at: Option<cannabis_protocol::Timestamp>,
+    #[serde(default)]
+    escrow: super::Escrowed,
 }
 
 impl Part {
@@ -148,6 +150,7 @@ impl Job {
             accept_evidence: self.accept_evidence.clone(),
             history_dropped: self.history_dropped,
             early_look_at: self.early_look_at,
+            escrow: self.escrow.clone(),
         })));
         for (i, t) in self.tasks.iter().enumerate() {
             let task = i as u32;
@@ -245,6 +248,7 @@ impl Job {
             accept_evidence: head.accept_evidence,
             history_dropped: head.history_dropped,
             early_look_at: head.early_look_at,
+            escrow: head.escrow,
         })
     }
 }

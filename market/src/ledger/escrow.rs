@@ -202,7 +202,9 @@ pub struct Escrow {
     pub resolver: Address,
     /// How many assignments the job has.
     pub ranks: u32,
-    /// Each (task, rank) at its latest epoch.
+    /// Each (task, rank) at its latest epoch. (Serialized as a list of entries with
+    /// `task` and `rank`: JSON keys are strings.)
+    #[serde(with = "by_task_rank")]
     pub assignments: BTreeMap<(u32, u32), Assignment>,
     /// Paid to workers so far.
     pub paid_worker: Amount,
@@ -591,3 +593,49 @@ impl Escrow {
 }
 
 type R<T> = Result<T, EscrowRefusal>;
+
+/// An escrow's assignments as a list of `{task, rank, ...}` entries.
+mod by_task_rank {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::Assignment;
+
+    #[derive(Serialize, Deserialize)]
+    struct Entry {
+        task: u32,
+        rank: u32,
+        #[serde(flatten)]
+        assignment: Assignment,
+    }
+
+    #[derive(Serialize)]
+    struct EntryRef<'a> {
+        task: u32,
+        rank: u32,
+        #[serde(flatten)]
+        assignment: &'a Assignment,
+    }
+
+    pub(super) fn serialize<S: Serializer>(
+        map: &BTreeMap<(u32, u32), Assignment>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(map.iter().map(|(&(task, rank), assignment)| EntryRef {
+            task,
+            rank,
+            assignment,
+        }))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<(u32, u32), Assignment>, D::Error> {
+        let entries = Vec::<Entry>::deserialize(d)?;
+        Ok(entries
+            .into_iter()
+            .map(|e| ((e.task, e.rank), e.assignment))
+            .collect())
+    }
+}

@@ -95,6 +95,8 @@ pub struct Node {
     pub runs: Vec<RunOrder>,
     /// Deliveries whose outputs its driver is asked to fetch, in order.
     pub fetches: Vec<Signed<cannabis_protocol::DeliveryManifest>>,
+    /// What it asked of settlement, in order (its driver signs and submits each).
+    pub settles: Vec<crate::Settle>,
     config: MarketConfig,
     keys: Option<Keypair>,
     inbound: BTreeMap<InboundId, (Address, OutboundId)>,
@@ -114,6 +116,7 @@ impl Node {
             store_writes: 0,
             runs: Vec::new(),
             fetches: Vec::new(),
+            settles: Vec::new(),
             config,
             keys,
             inbound: BTreeMap::new(),
@@ -234,6 +237,7 @@ impl Node {
                 Output::Event(e) => self.events.push(e),
                 Output::Run(order) => self.runs.push(order),
                 Output::Fetch(manifest) => self.fetches.push(*manifest),
+                Output::Settle(order) => self.settles.push(order),
             }
         }
         out

@@ -180,6 +180,15 @@ impl ApiClient {
         self.post(&format!("/v1/jobs/{id}/cancel"), &())
     }
 
+    /// `POST /v1/jobs/{id}/accept` or `/dispute`
+    pub fn judge_job(&self, id: &str, verdict: &api::Verdict) -> anyhow::Result<api::JobDetail> {
+        let what = match verdict {
+            api::Verdict::Accept { .. } => "accept",
+            api::Verdict::Dispute { .. } => "dispute",
+        };
+        self.post(&format!("/v1/jobs/{id}/{what}"), verdict)
+    }
+
     /// `POST /v1/peers/{peer}/challenge`
     pub fn challenge(&self, peer: &str) -> anyhow::Result<api::ChallengeReport> {
         self.post(&format!("/v1/peers/{peer}/challenge"), &())
@@ -242,5 +251,15 @@ impl ApiClient {
     /// A transaction the ledger took, and where.
     pub fn tx(&self, id: &str) -> anyhow::Result<api::TxDetail> {
         self.get(&format!("/v1/ledger/txs/{id}"))
+    }
+
+    /// `GET /v1/ledger/escrows/{job}`
+    pub fn escrow(&self, job: &str) -> anyhow::Result<cannabis_market::ledger::Escrow> {
+        self.get(&format!("/v1/ledger/escrows/{job}"))
+    }
+
+    /// `POST /v1/ledger/submit`
+    pub fn submit_tx(&self, tx: &api::SubmitTx) -> anyhow::Result<api::Submitted> {
+        self.post("/v1/ledger/submit", tx)
     }
 }

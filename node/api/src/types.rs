@@ -261,6 +261,14 @@ pub struct JobDetail {
     /// Budget not spent (what goes back once the job is over; `None`: the sums do not add
     /// up).
     pub refund: Option<Amount>,
+    /// Where the budget stands with settlement (`unsettled` on a node with no ledger).
+    #[serde(default)]
+    pub escrowed: cannabis_market::job::Escrowed,
+    /// The job's escrow as this node's ledger holds it: the lock, each assignment's stage
+    /// (a delivery's review window ends `review_window_ms` after its `at`), what was paid
+    /// and refunded.
+    #[serde(default)]
+    pub escrow: Option<cannabis_market::ledger::Escrow>,
 }
 
 /// One task of a [`JobDetail`].
@@ -469,6 +477,8 @@ impl JobDetail {
             tasks,
             history: job.history().to_vec(),
             refund: job.refund().ok(),
+            escrowed: job.escrow().clone(),
+            escrow: None,
         }
     }
 }
@@ -519,6 +529,9 @@ pub struct LedgerStatus {
     pub faucet: Option<String>,
     /// What is left of the proof-of-compute reward pool.
     pub reward_pool: Amount,
+    /// The least gas price a transaction may offer (base units per gas).
+    #[serde(default)]
+    pub min_gas_price: u64,
 }
 
 /// `GET /v1/wallet/{address}`: an account as of the node's last block.
@@ -601,6 +614,32 @@ pub struct SendRequest {
     pub to: String,
     /// The amount, in base units.
     pub amount: Amount,
+}
+
+/// `POST /v1/jobs/{id}/accept` and `/dispute`: the requester's verdict on what a job
+/// delivered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "verdict")]
+pub enum Verdict {
+    /// Accept every delivered rank: `part_ppm` of each price is paid (1,000,000: all).
+    Accept {
+        /// The part, in parts per million.
+        part_ppm: u32,
+    },
+    /// Dispute every delivered rank: the money stays in escrow until the resolver
+    /// settles it.
+    Dispute {
+        /// Why (kept in the job's history, for the resolver).
+        reason: String,
+    },
+}
+
+/// `POST /v1/ledger/submit`: a transaction signed elsewhere (by a key this node does not
+/// hold, such as the network's resolver), for the node to hand its sequencer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubmitTx {
+    /// The signed transaction's bytes (its envelope, as on the wire), in hex.
+    pub tx: String,
 }
 
 /// A transaction the sequencer kept for a block.

@@ -8,7 +8,7 @@ use cannabis_api::ApiClient;
 use cannabis_api::{JobDetail, TaskExplanation};
 use cannabis_market::job::LeaseState;
 use cannabis_market::spec::JobSpec;
-use cannabis_protocol::{Digest, FOUNDER_FEE_BPS, Quote};
+use cannabis_protocol::{Amount, Digest, FOUNDER_FEE_BPS, Quote};
 use sha2::{Digest as _, Sha256};
 
 use crate::cli::JobCommand;
@@ -77,6 +77,34 @@ pub(super) fn run(
             let j = ApiClient::from_data_dir(&data_dir()?)?.cancel_job(&id)?;
             out!("job {} cancelled; every leased rank was told", j.job_id)?;
             Ok(())
+        }
+        JobCommand::Accept { id, part, format } => {
+            let verdict = cannabis_api::Verdict::Accept { part_ppm: part };
+            let job = ApiClient::from_data_dir(&data_dir()?)?.judge_job(&id, &verdict)?;
+            if format.json {
+                return output::json(&job);
+            }
+            out!(
+                "accepted {}.{:04}% of what job {} delivered: each delivered rank is paid from \
+                 its escrow once a block holds the acceptance",
+                part / 10_000,
+                part % 10_000,
+                job.summary.job_id
+            )?;
+            print_escrow(&job)
+        }
+        JobCommand::Dispute { id, reason, format } => {
+            let verdict = cannabis_api::Verdict::Dispute { reason };
+            let job = ApiClient::from_data_dir(&data_dir()?)?.judge_job(&id, &verdict)?;
+            if format.json {
+                return output::json(&job);
+            }
+            out!(
+                "disputed what job {} delivered: the money stays in escrow until the \
+                 resolver settles it",
+                job.summary.job_id
+            )?;
+            print_escrow(&job)
         }
         JobCommand::Results {
             id,
@@ -334,18 +362,60 @@ fn submit(
         check_packages_kept(&template, data_dir)
             .with_context(|| format!("in {}", file.display()))?;
     }
-    let quote = Quote::for_budget(spec.budget, FOUNDER_FEE_BPS)?;
     let client = ApiClient::from_data_dir(data_dir)?;
+    // The fee terms and gas price are the network's (its genesis), not this binary's.
+    let ledger = client.ledger().ok();
+    let fee_bps = ledger.as_ref().map_or(FOUNDER_FEE_BPS, |l| l.fee_rate_bps);
+    let quote = Quote::for_budget(spec.budget, fee_bps)?;
+    let ranks: u64 = template
+        .tasks
+        .iter()
+        .map(|t| u64::from(t.group_size.max(1)))
+        .sum();
+    let network_fee = ledger.as_ref().map(|l| {
+        Amount(
+            l.min_gas_price
+                .saturating_mul(cannabis_market::ledger::Ledger::settlement_gas(ranks)),
+        )
+    });
     let explained = client.explain(&template)?;
     if json && dry_run {
         return output::json(&serde_json::json!({
             "quote": quote,
+            "network_fee": network_fee,
+            "review_window_ms": template.review_window_ms,
+            "fee_recipient": ledger.as_ref().map(|l| &l.fee_recipient),
             "tasks": explained,
         }));
     }
     if !json {
         out!("job {:?}: {} task(s)", spec.name, spec.tasks.len())?;
         print_quote(&quote)?;
+        match (&ledger, network_fee) {
+            (Some(l), Some(fee)) => {
+                output::table(&[
+                    ("fee recipient", l.fee_recipient.clone()),
+                    (
+                        "network fee",
+                        format!("{fee}  (charged apart from the budget)"),
+                    ),
+                    (
+                        "review window",
+                        format!(
+                            "{} s after each delivery is committed (undisputed: paid when it ends)",
+                            template.review_window_ms / 1000
+                        ),
+                    ),
+                ])?;
+                out!(
+                    "the budget is locked in escrow on {} before any award",
+                    l.network
+                )?;
+            }
+            _ => out!(
+                "this node keeps no ledger: the job is not settled (nothing is locked or paid)"
+            )?,
+        }
         print_explanations(&explained)?;
     }
     if dry_run {
@@ -501,6 +571,7 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
             }
         }
     }
+    print_escrow(job)?;
     // Times relative to publication, then the last 30 events.
     let start = job.history.first().map(|e| e.at).unwrap_or_default();
     out!("\nhistory (seconds after publication):")?;
@@ -508,6 +579,61 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
         let task = e.task.map(|t| format!("task {t}: ")).unwrap_or_default();
         let ms = e.at.ms_since(start);
         out!("  {:>9}.{:03} {task}{}", ms / 1000, ms % 1000, e.text)?;
+    }
+    Ok(())
+}
+
+/// The job's escrow as the node's ledger holds it: the lock, each assignment's stage with
+/// its review window's end, what was paid and refunded.
+fn print_escrow(job: &JobDetail) -> anyhow::Result<()> {
+    use cannabis_market::job::Escrowed;
+    use cannabis_market::ledger::Stage;
+    let Some(e) = &job.escrow else {
+        let text = match job.escrowed {
+            Escrowed::Unsettled => "not settled (this node keeps no ledger)",
+            Escrowed::Locking => "the lock is on its way to a block; nothing is awarded before",
+            Escrowed::Locked => "locked (the node's ledger has not applied it yet)",
+        };
+        out!("\nescrow: {text}")?;
+        return Ok(());
+    };
+    let state = match e.refunded {
+        Some(r) => format!("closed, {r} refunded"),
+        None if e.cancelled => "cancelled, open until the delivered ranks settle".into(),
+        None => "open".into(),
+    };
+    out!(
+        "\nescrow: {} locked, {state}; paid {} to workers and {} in fees ({} to {})",
+        e.locked,
+        e.paid_worker,
+        e.paid_fee,
+        percent(e.fee.rate_bps),
+        e.fee.recipient
+    )?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    for ((task, rank), a) in &e.assignments {
+        let stage = match &a.stage {
+            Stage::Assigned => "assigned".to_string(),
+            Stage::Delivered { at, .. } => {
+                let ends = at.plus_ms(e.review_window_ms);
+                let left = ends.0.saturating_sub(now) / 1000;
+                format!("delivered; review window ends in {left} s, then it is paid")
+            }
+            Stage::Disputed { .. } => "disputed; frozen until the resolver settles it".into(),
+            Stage::Settled {
+                outcome,
+                worker_paid,
+                fee_paid,
+            } => format!("settled ({outcome:?}): {worker_paid} to the worker, {fee_paid} fee"),
+        };
+        out!(
+            "  task {task} rank {rank} epoch {} {} at {}: {stage}",
+            a.epoch,
+            a.worker,
+            a.price
+        )?;
     }
     Ok(())
 }

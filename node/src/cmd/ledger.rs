@@ -517,8 +517,99 @@ pub(crate) fn run(command: LedgerCommand, data_dir: &Path) -> anyhow::Result<()>
             ])?;
             Ok(())
         }
-        LedgerCommand::Bench { .. } => unreachable!("handled by the caller"),
+        LedgerCommand::Bench { .. } | LedgerCommand::Resolve { .. } => {
+            unreachable!("handled by the caller")
+        }
     }
+}
+
+/// `cannabis ledger resolve`: the resolver's `ESCROW_SETTLE` (`dispute-resolved`) for a
+/// disputed assignment, signed with the keys in `data_dir` and submitted through the node
+/// at `via`.
+pub(crate) fn resolve(command: LedgerCommand, data_dir: &Path) -> anyhow::Result<()> {
+    let LedgerCommand::Resolve {
+        job,
+        task,
+        rank,
+        award,
+        via,
+        wait,
+        format,
+    } = command
+    else {
+        unreachable!("called for resolve only")
+    };
+    let keys = cannabis_node::keystore::load(&cannabis_node::keystore::KeyPaths::new(data_dir))
+        .with_context(|| format!("the resolver's keys in {}", data_dir.display()))?;
+    let me = keys.signing.address();
+    let client = cannabis_api::ApiClient::from_data_dir(&via)
+        .with_context(|| format!("the node to submit through, at {}", via.display()))?;
+    let status = client.ledger()?;
+    anyhow::ensure!(
+        status.resolver == me.to_string(),
+        "{me} is not this network's resolver ({}): run this with the resolver's --data-dir",
+        status.resolver
+    );
+    let escrow = client.escrow(&job)?;
+    let a = escrow
+        .assignments
+        .get(&(task, rank))
+        .with_context(|| format!("job {job}'s escrow has no task {task} rank {rank}"))?;
+    anyhow::ensure!(
+        matches!(a.stage, cannabis_market::ledger::Stage::Disputed { .. }),
+        "task {task} rank {rank} of job {job} is not disputed ({:?})",
+        a.stage
+    );
+    anyhow::ensure!(
+        award <= a.price,
+        "the award {award} is more than the agreed price {}",
+        a.price
+    );
+    let account = client.balance(Some(&me.to_string()))?;
+    let gas = status
+        .min_gas_price
+        .max(1)
+        .saturating_mul(cannabis_protocol::TxType::EscrowSettle.gas_limit());
+    anyhow::ensure!(
+        account.spendable.0 >= gas,
+        "the resolver's account {me} has {} spendable, less than the network fee {gas}",
+        account.spendable
+    );
+    let nonce = account.nonce;
+    let tx = Transaction::new(
+        me,
+        None,
+        Amount::ZERO,
+        nonce,
+        status.min_gas_price.max(1),
+        TxPayload::EscrowSettle(cannabis_protocol::EscrowSettle {
+            job_id: escrow.job_id,
+            task,
+            rank,
+            epoch: a.epoch,
+            outcome: cannabis_protocol::Outcome::DisputeResolved { award },
+        }),
+    )?;
+    let signed = Signed::sign(&keys.signing, &tx);
+    let submitted = client.submit_tx(&cannabis_api::SubmitTx {
+        tx: hex::encode(signed.to_bytes()),
+    })?;
+    let included = wait > 0 && wait_in_block(&client, &me.to_string(), nonce, wait)?;
+    if format.json {
+        return output::json(&serde_json::json!({
+            "submitted": submitted,
+            "in_block": included,
+        }));
+    }
+    out!(
+        "resolved task {task} rank {rank} of job {job}: {award} of {} to the worker side \
+         (transaction {}, network fee {}){}",
+        a.price,
+        submitted.id,
+        submitted.fee,
+        if included { ", in a block" } else { "" }
+    )?;
+    Ok(())
 }
 
 /// Waits up to `secs` for the node's account nonce to pass `nonce` (a block holds the

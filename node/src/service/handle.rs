@@ -131,6 +131,23 @@ impl NodeHandle {
         self.ask(|tx| Command::Tx(id, tx)).await?
     }
 
+    /// A job's escrow as this node's ledger holds it.
+    pub async fn escrow(
+        &self,
+        job: cannabis_protocol::Uuid,
+    ) -> anyhow::Result<cannabis_market::ledger::Escrow> {
+        self.ask(|tx| Command::Escrow(job, tx)).await?
+    }
+
+    /// Hands a transaction signed elsewhere to the sequencer.
+    pub async fn submit_tx(
+        &self,
+        signed: cannabis_protocol::Signed<cannabis_protocol::Transaction>,
+    ) -> anyhow::Result<api::Submitted> {
+        self.ask(|tx| Command::SubmitTx(Box::new(signed), tx))
+            .await?
+    }
+
     /// Where a result is in the ledger, with its inclusion proof.
     pub async fn prove(&self, id: cannabis_protocol::Digest) -> anyhow::Result<api::ResultProof> {
         self.ask(|tx| Command::Prove(id, tx)).await?
@@ -184,6 +201,15 @@ impl NodeHandle {
     /// Cancels a job: every live lease gets a cancellation.
     pub async fn cancel_job(&self, id: cannabis_protocol::Uuid) -> anyhow::Result<api::JobSummary> {
         self.ask(|tx| Command::CancelJob(id, tx)).await?
+    }
+
+    /// Accepts or disputes what a job delivered.
+    pub async fn judge_job(
+        &self,
+        id: cannabis_protocol::Uuid,
+        verdict: api::Verdict,
+    ) -> anyhow::Result<api::JobDetail> {
+        self.ask(|tx| Command::JudgeJob(id, verdict, tx)).await?
     }
 
     /// How each task of a template matches the ads this node knows.

@@ -117,7 +117,10 @@ pub(crate) struct Chain {
     /// Ledger requests answered per peer (the allowances).
     served: cannabis_market::rate::Limiter<(PeerId, bool)>,
     /// Requests sent for the API, by request.
-    pending: HashMap<OutboundRequestId, (Reply, api::Submitted)>,
+    /// (Whether the transaction is this node's own: a refusal gives its nonce back.)
+    pending: HashMap<OutboundRequestId, (Reply, api::Submitted, bool)>,
+    /// The engine's escrow operations not in a block yet.
+    pub(super) orders: Vec<super::settle::Order>,
 }
 
 impl Chain {
@@ -178,10 +181,16 @@ impl Chain {
             own_sent_at: None,
             served: cannabis_market::rate::Limiter::default(),
             pending: HashMap::new(),
+            orders: Vec::new(),
         })
     }
 
     /// When the sequencer makes its next block.
+    /// The ledger's state.
+    pub(crate) fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
     pub(crate) fn block_due(&self) -> Option<tokio::time::Instant> {
         self.block_at
     }
@@ -190,18 +199,24 @@ impl Chain {
         Duration::from_millis(self.ledger.genesis().block_interval_ms)
     }
 
-    /// Schedules a block if there is something for one and none is scheduled.
+    /// Schedules a block if there is something for one: within the block interval when
+    /// transactions wait, else when the next escrow timeout falls. A block scheduled for a
+    /// timeout is brought forward when a transaction arrives.
     fn schedule(&mut self) {
-        if !self.sequencing || self.block_at.is_some() {
+        if !self.sequencing {
             return;
         }
         let soon = tokio::time::Instant::now() + self.interval();
-        if !self.waiting.is_empty() {
-            self.block_at = Some(soon);
-        } else if let Some(due) = self.ledger.next_due() {
-            let wait = due.0.saturating_sub(now().0.0);
-            let at = tokio::time::Instant::now() + Duration::from_millis(wait);
-            self.block_at = Some(at.max(soon));
+        let want = if !self.waiting.is_empty() {
+            Some(soon)
+        } else {
+            self.ledger.next_due().map(|due| {
+                let wait = due.0.saturating_sub(now().0.0);
+                (tokio::time::Instant::now() + Duration::from_millis(wait)).max(soon)
+            })
+        };
+        if let Some(want) = want {
+            self.block_at = Some(self.block_at.map_or(want, |at| at.min(want)));
         }
     }
 
@@ -347,6 +362,8 @@ impl Node {
         if let Some(chain) = self.chain.as_mut() {
             chain.own_nonce = chain.own_nonce.max(chain.ledger.account(&me).nonce);
         }
+        self.settle_due();
+        self.drain();
         Ok(())
     }
 
@@ -526,6 +543,8 @@ impl Node {
             chain.schedule();
         }
         info!(height, hash = %header.id, txs = refs.len(), "block made");
+        self.settle_due();
+        self.drain();
         if let Err(e) = self.gossip_publish(Topic::Blocks, bytes) {
             warn!(height, error = %format!("{e:#}"), "block not gossiped; peers catch up by asking");
         }
@@ -596,7 +615,7 @@ impl Node {
     }
 
     /// A transaction from this node's account, with its next nonce.
-    fn sign_own(
+    pub(super) fn sign_own(
         &mut self,
         to: Option<Address>,
         amount: Amount,
@@ -720,7 +739,7 @@ impl Node {
             }
             return;
         }
-        let Some((reply, submitted)) = chain.pending.remove(&id) else {
+        let Some((reply, submitted, own)) = chain.pending.remove(&id) else {
             return;
         };
         let result = match answer {
@@ -734,7 +753,7 @@ impl Node {
             Ok(other) => Err(anyhow::anyhow!("the sequencer answered {other:?}")),
             Err(e) => Err(anyhow::anyhow!("the sequencer could not be reached: {e}")),
         };
-        if result.is_err() {
+        if result.is_err() && own {
             // The nonce was not used: the next transaction takes it.
             let me = self.address;
             if let Some(chain) = self.chain.as_mut() {
@@ -800,7 +819,21 @@ impl Node {
 
     /// Sends a transaction of this node's to the sequencer (or keeps it, on the
     /// sequencer); `reply` gets the answer.
-    fn submit_own(&mut self, signed: Signed<Transaction>, reply: Reply) {
+    pub(super) fn submit_own(&mut self, signed: Signed<Transaction>, reply: Reply) {
+        self.submit(signed, reply, true);
+    }
+
+    /// `POST /v1/ledger/submit`: a transaction signed elsewhere (the resolver's, say),
+    /// checked and handed to the sequencer.
+    pub(super) fn submit_foreign(&mut self, signed: Signed<Transaction>, reply: Reply) {
+        if let Err(e) = signed.verify() {
+            let _ = reply.send(Err(anyhow::anyhow!("the transaction does not verify: {e}")));
+            return;
+        }
+        self.submit(signed, reply, false);
+    }
+
+    fn submit(&mut self, signed: Signed<Transaction>, reply: Reply, own: bool) {
         let Some(chain) = self.chain.as_ref() else {
             let _ = reply.send(Err(anyhow::anyhow!(
                 "this node keeps no ledger (no genesis)"
@@ -812,7 +845,7 @@ impl Node {
                 .keep_waiting(signed)
                 .map(|(_, s)| s)
                 .map_err(anyhow::Error::msg);
-            if kept.is_err() {
+            if kept.is_err() && own {
                 let me = self.address;
                 if let Some(chain) = self.chain.as_mut() {
                     chain.own_nonce = chain.ledger.account(&me).nonce;
@@ -847,7 +880,7 @@ impl Node {
             .ledger
             .send_request(&peer, LedgerRequest::Submit(signed));
         if let Some(chain) = self.chain.as_mut() {
-            chain.pending.insert(id, (reply, submitted));
+            chain.pending.insert(id, (reply, submitted, own));
         }
     }
 
@@ -917,7 +950,7 @@ impl Node {
             .ledger
             .send_request(&peer, LedgerRequest::Faucet { to: self.address });
         if let Some(chain) = self.chain.as_mut() {
-            chain.pending.insert(id, (reply, submitted));
+            chain.pending.insert(id, (reply, submitted, false));
         }
     }
 
@@ -1111,6 +1144,7 @@ impl Node {
             resolver: g.resolver.to_string(),
             faucet: g.faucet.as_ref().map(|f| f.address.to_string()),
             reward_pool: chain.ledger.pool(),
+            min_gas_price: g.min_gas_price,
         })
     }
 
@@ -1120,6 +1154,18 @@ impl Node {
                 "this node keeps no ledger: start it with the network's genesis (--genesis FILE)"
             )
         })
+    }
+
+    /// `GET /v1/ledger/escrows/{job}`.
+    pub(super) fn escrow_of(
+        &self,
+        job: &cannabis_protocol::Uuid,
+    ) -> anyhow::Result<cannabis_market::ledger::Escrow> {
+        self.chain()?
+            .ledger
+            .escrow(job)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("no escrow for job {job} in this node's ledger"))
     }
 
     /// `GET /v1/wallet/{address}`.

@@ -45,12 +45,16 @@ fn transfers_reach_every_node_and_a_killed_sequencer_loses_no_acknowledged_trans
     assert!(!status.sequencing);
     assert!(client(&nodes[0]).ledger().unwrap().sequencing);
     let supply = status.supply;
+    // What the genesis gave nodes 1 and 2.
+    let f1 = client(&nodes[1]).balance(None).unwrap().balance.0;
+    let f2 = client(&nodes[2]).balance(None).unwrap().balance.0;
+    assert!(f1 > 0 && f2 > 0, "testnet nodes start funded");
 
     // The faucet: node 1 asks, and every node's ledger shows the grant.
     let granted = client(&nodes[1]).faucet().unwrap();
     assert_eq!(granted.from, status.sequencer);
     for n in &nodes {
-        wait_balance(n, &a1, 20, |b| b.balance.0 == 1_000_000_000);
+        wait_balance(n, &a1, 20, |b| b.balance.0 == f1 + 1_000_000_000);
     }
     // A second grant within the minute is refused, with the reason.
     let again = client(&nodes[1]).faucet().unwrap_err();
@@ -65,14 +69,14 @@ fn transfers_reach_every_node_and_a_killed_sequencer_loses_no_acknowledged_trans
         .unwrap();
     assert_eq!(sent.fee.0, 21_000);
     for n in &nodes {
-        wait_balance(n, &a2, 20, |b| b.balance.0 == 250_000);
+        wait_balance(n, &a2, 20, |b| b.balance.0 == f2 + 250_000);
         wait_balance(n, &a1, 20, |b| {
-            b.balance.0 == 1_000_000_000 - 250_000 - 21_000 && b.nonce == 1
+            b.balance.0 == f1 + 1_000_000_000 - 250_000 - 21_000 && b.nonce == 1
         });
     }
     // More than node 2 can spend: refused at once, and its nonce is not used.
     let over = client(&nodes[2])
-        .send(&a1, cannabis_protocol::Amount(10_000_000))
+        .send(&a1, cannabis_protocol::Amount(f2 * 10))
         .unwrap_err();
     assert!(format!("{over:#}").contains("spendable"), "{over:#}");
     assert_eq!(client(&nodes[2]).balance(None).unwrap().nonce, 0);
@@ -105,7 +109,7 @@ fn transfers_reach_every_node_and_a_killed_sequencer_loses_no_acknowledged_trans
     }
     let sequencer = Restarted::start(&cmd0);
     // Every acknowledged transfer is in a block after the restart.
-    let paid = 250_000 + (0..5).map(|i| 1_000 + i).sum::<u64>();
+    let paid = f2 + 250_000 + (0..5).map(|i| 1_000 + i).sum::<u64>();
     let b = wait_balance(&nodes[1], &a2, 60, |b| b.balance.0 == paid);
     assert_eq!(b.height, client(&nodes[1]).ledger().unwrap().height);
     let after = client(&nodes[0]).ledger().unwrap();

@@ -10,6 +10,7 @@ mod hostile;
 mod ledger;
 mod market;
 mod net;
+mod settle;
 mod supervisor;
 mod swarm;
 mod testnet;

@@ -1,0 +1,293 @@
+//! Settlement through the node's ledger. The engine asks for escrow operations
+//! ([`Settle`]); the node signs each as a transaction of its own and submits it once the
+//! ledger's state lets it apply (an assignment once the lock is in a block, a commitment
+//! once the assignment is, an acceptance once the delivery is committed), so the sequencer
+//! drops none for being early. An order stays until its effect shows in a block: one the
+//! sequencer dropped is sent again, and one whose effect is there (or can no longer come:
+//! a stale epoch, a closed escrow) is let go. The lock's outcome goes back to the engine,
+//! which awards nothing until it holds.
+
+use std::time::Duration;
+
+use cannabis_market::ledger::{Escrow, Ledger, Stage};
+use cannabis_market::{Command as MarketCommand, Settle};
+use cannabis_protocol::{Address, Amount, Uuid};
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn};
+
+use super::{Command, Node, now};
+
+/// An order sent and not in a block after this long was dropped by the sequencer (its
+/// nonce is given back after `OWN_PATIENCE`, 60 s): it is sent again, or, for a lock,
+/// reported refused.
+const RESEND_AFTER: Duration = Duration::from_secs(65);
+/// An order that could not apply for this long is given up (logged).
+const GIVE_UP_AFTER: Duration = Duration::from_secs(30 * 60);
+
+/// One operation the engine asked for.
+pub(crate) struct Order {
+    settle: Settle,
+    asked_at: tokio::time::Instant,
+    sent_at: Option<tokio::time::Instant>,
+}
+
+/// What the ledger's state says of an order.
+#[derive(Debug, PartialEq, Eq)]
+enum Ready {
+    /// It applies now.
+    Now,
+    /// Not yet: what it needs is not in a block.
+    Wait,
+    /// Its effect is in a block (`Ok`), or it can never apply (`Err`, why).
+    Over(Result<(), String>),
+}
+
+/// Where `order` stands against `ledger`, for a node with address `me`.
+fn ready(ledger: &Ledger, me: &Address, order: &Settle) -> Ready {
+    let e: &Escrow = match (order, ledger.escrow(&order.job())) {
+        (Settle::Lock(_), None) => return Ready::Now,
+        (Settle::Lock(_), Some(e)) if e.requester == *me => return Ready::Over(Ok(())),
+        (Settle::Lock(_), Some(_)) => {
+            return Ready::Over(Err("another account locked an escrow for this job".into()));
+        }
+        // Nothing was locked: there is nothing to accept or dispute.
+        (Settle::Accept(_) | Settle::Dispute(_), None) => {
+            return Ready::Over(Err("the job has no escrow".into()));
+        }
+        (_, None) => return Ready::Wait,
+        (_, Some(e)) => e,
+    };
+    if e.is_closed() {
+        return Ready::Over(Err("the escrow is closed".into()));
+    }
+    match order {
+        Settle::Lock(_) => Ready::Over(Ok(())),
+        Settle::Assign(a) => match e.assignments.get(&(a.task, a.rank)) {
+            Some(x) if x.epoch >= a.epoch => Ready::Over(Ok(())),
+            _ if e.cancelled => Ready::Over(Err("the job was cancelled".into())),
+            _ => Ready::Now,
+        },
+        Settle::Commit(c) => match e.assignments.get(&(c.task, c.rank)) {
+            None => Ready::Wait,
+            Some(x) if x.epoch < c.epoch => Ready::Wait,
+            Some(x) if x.epoch > c.epoch => Ready::Over(Err("a newer epoch holds it".into())),
+            Some(x) if x.worker != *me => {
+                Ready::Over(Err("the escrow assigns it to another worker".into()))
+            }
+            Some(x) => match x.stage {
+                Stage::Assigned => Ready::Now,
+                _ => Ready::Over(Ok(())),
+            },
+        },
+        Settle::Accept(s) | Settle::Dispute(s) => {
+            let dispute = matches!(order, Settle::Dispute(_));
+            match e.assignments.get(&(s.task, s.rank)) {
+                Some(x) if x.epoch != s.epoch => {
+                    Ready::Over(Err(format!("the escrow holds epoch {}", x.epoch)))
+                }
+                None => Ready::Wait,
+                Some(x) => match x.stage {
+                    // The worker's commitment is not in a block yet.
+                    Stage::Assigned => Ready::Wait,
+                    Stage::Delivered { .. } => Ready::Now,
+                    Stage::Disputed { .. } if dispute => Ready::Over(Ok(())),
+                    // The requester may still accept what it disputed (withdrawing it).
+                    Stage::Disputed { .. } => Ready::Now,
+                    Stage::Settled { .. } => Ready::Over(Ok(())),
+                },
+            }
+        }
+        Settle::Cancel(_) if e.cancelled => Ready::Over(Ok(())),
+        Settle::Cancel(_) => Ready::Now,
+    }
+}
+
+/// The kind of an order, for logs.
+fn kind(order: &Settle) -> &'static str {
+    match order {
+        Settle::Lock(_) => "lock",
+        Settle::Assign(_) => "assign",
+        Settle::Commit(_) => "commit",
+        Settle::Accept(_) => "accept",
+        Settle::Dispute(_) => "dispute",
+        Settle::Cancel(_) => "cancel",
+    }
+}
+
+impl Node {
+    /// Before a job is published: refused when this node's balance cannot cover its
+    /// budget and the network fee of settling it (nothing is published or locked then).
+    pub(super) fn can_lock(&self, template: &cannabis_market::OfferTemplate) -> anyhow::Result<()> {
+        let Some(chain) = self.chain.as_ref() else {
+            return Ok(());
+        };
+        let budget = Amount::sum(template.tasks.iter().map(|t| &t.budget))?;
+        let ranks: u64 = template
+            .tasks
+            .iter()
+            .map(|t| u64::from(t.group_size.max(1)))
+            .sum();
+        let fee = Amount(
+            chain
+                .ledger()
+                .genesis()
+                .min_gas_price
+                .saturating_mul(Ledger::settlement_gas(ranks)),
+        );
+        let t = now().0.max(chain.ledger().time());
+        let spendable = chain.ledger().spendable(&self.address, t);
+        let needs = budget.checked_add(fee)?;
+        if needs > spendable {
+            anyhow::bail!(
+                "the budget {budget} and the network fee {fee} of settling it need {needs}, \
+                 but {spendable} is spendable by {}: fund it (on a testnet: `cannabis wallet faucet`)",
+                self.address
+            );
+        }
+        Ok(())
+    }
+
+    /// The engine asked for an escrow operation: kept, and sent once it applies.
+    pub(super) fn on_settle(&mut self, settle: Settle) {
+        let Some(chain) = self.chain.as_mut() else {
+            // The engine asks only when the node has a ledger (its resolver comes from
+            // the genesis).
+            warn!(job = %settle.job(), "a settlement order without a ledger: dropped");
+            return;
+        };
+        debug!(job = %settle.job(), kind = kind(&settle), "settlement asked");
+        chain.orders.push(Order {
+            settle,
+            asked_at: tokio::time::Instant::now(),
+            sent_at: None,
+        });
+        self.settle_due();
+    }
+
+    /// Sends what applies now, lets go of what is done, and tells the engine how its
+    /// locks went. After each block and at upkeep.
+    pub(super) fn settle_due(&mut self) {
+        let me = self.address;
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        if chain.orders.is_empty() {
+            return;
+        }
+        let mut send = Vec::new();
+        let mut locked: Vec<(Uuid, Option<String>)> = Vec::new();
+        let orders = std::mem::take(&mut chain.orders);
+        let mut keep = Vec::with_capacity(orders.len());
+        for mut o in orders {
+            let is_lock = matches!(o.settle, Settle::Lock(_));
+            match ready(chain.ledger(), &me, &o.settle) {
+                Ready::Over(result) => {
+                    match &result {
+                        Ok(()) => {
+                            debug!(job = %o.settle.job(), kind = kind(&o.settle), "settlement in a block")
+                        }
+                        Err(why) => {
+                            info!(job = %o.settle.job(), kind = kind(&o.settle), %why, "settlement order let go")
+                        }
+                    }
+                    if is_lock {
+                        locked.push((o.settle.job(), result.err()));
+                    }
+                }
+                Ready::Wait if o.asked_at.elapsed() > GIVE_UP_AFTER => {
+                    warn!(job = %o.settle.job(), kind = kind(&o.settle), "settlement order could not apply for 30 minutes: given up");
+                }
+                Ready::Wait => keep.push(o),
+                Ready::Now => {
+                    let stale = o.sent_at.is_some_and(|t| t.elapsed() > RESEND_AFTER);
+                    if is_lock && stale {
+                        locked.push((
+                            o.settle.job(),
+                            Some(
+                                "the lock is in no block a minute after it was sent (the \
+                                 sequencer dropped it: is the balance enough?)"
+                                    .into(),
+                            ),
+                        ));
+                        continue;
+                    }
+                    if o.sent_at.is_none() || stale {
+                        o.sent_at = Some(tokio::time::Instant::now());
+                        send.push(o.settle.clone());
+                    }
+                    keep.push(o);
+                }
+            }
+        }
+        if let Some(chain) = self.chain.as_mut() {
+            chain.orders = keep;
+        }
+        for (job, refused) in locked {
+            let changed = self
+                .market
+                .command(now().0, MarketCommand::Locked { job, refused });
+            if let Err(e) = changed {
+                debug!(%job, error = %e, "lock outcome not taken");
+            }
+        }
+        for settle in send {
+            self.send_settle(settle);
+        }
+        self.drain();
+    }
+
+    /// Signs `settle` as this node's transaction and submits it; a refusal of a lock fails
+    /// its job, of anything else is logged (the order is sent again if it still applies).
+    fn send_settle(&mut self, settle: Settle) {
+        let job = settle.job();
+        let what = kind(&settle);
+        let (amount, payload) = settle.into_payload();
+        let signed = match self.sign_own(None, amount, payload) {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(%job, kind = what, error = %e, "settlement not signed");
+                return;
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        self.submit_own(signed, tx);
+        let tell = self.self_tx.clone();
+        tokio::spawn(async move {
+            let result = match rx.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(format!("{e:#}")),
+                Err(_) => return,
+            };
+            let _ = tell
+                .send(Command::SettleSent {
+                    job,
+                    lock: what == "lock",
+                    result,
+                })
+                .await;
+        });
+    }
+
+    /// The sequencer's answer to a settlement transaction.
+    pub(super) fn settle_sent(&mut self, job: Uuid, lock: bool, result: Result<(), String>) {
+        let Err(why) = result else {
+            return;
+        };
+        warn!(%job, lock, %why, "settlement transaction refused");
+        if lock {
+            if let Some(chain) = self.chain.as_mut() {
+                chain
+                    .orders
+                    .retain(|o| !(o.settle.job() == job && matches!(o.settle, Settle::Lock(_))));
+            }
+            let refused = Some(why);
+            if let Err(e) = self
+                .market
+                .command(now().0, MarketCommand::Locked { job, refused })
+            {
+                debug!(%job, error = %e, "lock refusal not taken");
+            }
+            self.drain();
+        }
+    }
+}
