@@ -1,6 +1,7 @@
 //! A hostile peer: garbage, oversized messages, forged signatures, forged authors, replays
-//! and expired messages on gossip, and oversized or undecodable directed requests. It is
-//! rejected, its score drops, honest traffic still flows and no node crashes.
+//! and expired messages on gossip, and oversized or undecodable directed requests; bad
+//! ledger blocks. It is rejected, its score drops, honest traffic still flows and no node
+//! crashes.
 
 use std::io;
 use std::time::Duration;
@@ -1280,4 +1281,191 @@ async fn a_peer_asking_for_blocks_without_end_is_served_its_allowance() {
         matches!(&answer, LedgerResponse::Refused { reason } if reason.contains(&format!("its sequencer is {seq}"))),
         "{answer:?}"
     );
+}
+
+/// A genesis for one in-process node: `seq` sequences and holds `funds`, `k` holds
+/// `k_funds`.
+fn small_genesis(seq: &Keypair, k: &Keypair, k_funds: u64) -> cannabis_protocol::Genesis {
+    use cannabis_protocol::{Allocation, Amount, FeeTerms, Genesis, Rewards};
+    Genesis {
+        network: "hostile-blocks".into(),
+        time: Timestamp(now_ms()),
+        sequencer: seq.address(),
+        fee: FeeTerms::founder(seq.address()),
+        resolver: seq.address(),
+        min_gas_price: 1,
+        supply: Amount(10_000_000 + k_funds),
+        accounts: vec![
+            Allocation {
+                address: seq.address(),
+                amount: Amount(10_000_000),
+            },
+            Allocation {
+                address: k.address(),
+                amount: Amount(k_funds),
+            },
+        ],
+        vesting: Vec::new(),
+        faucet: None,
+        rewards: Rewards {
+            pool: Amount(0),
+            per_block: Amount(0),
+            seed_window: 8,
+        },
+        block_interval_ms: 100,
+        max_block_txs: 100,
+    }
+}
+
+/// A block of `txs` signed by `signer` on top of (`height - 1`, `prev`).
+fn block_of(
+    signer: &Keypair,
+    height: u64,
+    prev: Digest,
+    txs: Vec<Signed<cannabis_protocol::Transaction>>,
+) -> cannabis_protocol::Block {
+    let txs = txs
+        .into_iter()
+        .map(|s| {
+            let t = cannabis_protocol::decode(s.payload()).unwrap();
+            (s, t)
+        })
+        .collect();
+    cannabis_protocol::Block::build(signer, height, prev, Timestamp(now_ms()), txs).unwrap()
+}
+
+/// Every bad block a peer gossips is refused by a validating node and changes nothing: a
+/// wrong `compute_root`, a forged transaction, a replayed nonce, a result whose
+/// `worker_address` is not its sender, a spend beyond the balance, a block from a key that
+/// is not the sequencer's. The sequencer's good blocks are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refuses_every_bad_block_a_peer_gossips() {
+    use cannabis_protocol::{Amount, ComputeResult, Transaction, TxPayload};
+
+    let dir = tempfile::tempdir().unwrap();
+    let seq = Keypair::from_secret([0x5e; 32]);
+    let k = Keypair::from_secret([0x6b; 32]);
+    let g = small_genesis(&seq, &k, 1_000_000);
+    let genesis = dir.path().join("genesis.json");
+    std::fs::write(&genesis, serde_json::to_string(&g).unwrap()).unwrap();
+    let mut config = net::config(None);
+    config.ledger.genesis = Some(genesis);
+    config.gossip.fee = None;
+    let a = net::start_with(&dir.path().join("a"), config).await;
+    let topics = Topics::new(1);
+    let topic = topics.ident(Topic::Blocks);
+    let transfer = |from: &Keypair, amount: u64, nonce: u64| {
+        let t = Transaction::new(
+            from.address(),
+            Some(seq.address()),
+            Amount(amount),
+            nonce,
+            1,
+            TxPayload::Transfer,
+        )
+        .unwrap();
+        Signed::sign(from, &t)
+    };
+    let height = |a: &net::TestNode| {
+        let h = a.handle.clone();
+        async move { h.ledger().await.unwrap().height }
+    };
+    let k_balance = |a: &net::TestNode| {
+        let h = a.handle.clone();
+        let who = k.address();
+        async move { h.balance(Some(who)).await.unwrap().balance.0 }
+    };
+
+    // The sequencer's block 1 (k pays 10): taken.
+    let mut hostile = connected(&a, hostile_swarm()).await;
+    let first_tx = transfer(&k, 10, 0);
+    let one = block_of(&seq, 1, g.id(), vec![first_tx.clone()]);
+    let publish = |h: &mut libp2p::Swarm<Hostile>, b: &cannabis_protocol::Block| {
+        let _ = h
+            .behaviour_mut()
+            .gossipsub
+            .publish(topic.clone(), cannabis_protocol::encode(b));
+    };
+    publish(&mut hostile, &one);
+    wait_for(Duration::from_secs(10), "block 1", || async {
+        (height(&a).await == 1).then_some(())
+    })
+    .await;
+    let after_one = k_balance(&a).await;
+    assert_eq!(after_one, 1_000_000 - 10 - 21_000);
+
+    // Bad blocks at height 2, each from a fresh peer (a rejected message costs its
+    // sender): none applies.
+    let tip = one.hash();
+    let good = block_of(&seq, 2, tip, vec![transfer(&k, 5, 1)]);
+    let mut wrong_root = good.clone();
+    let mut header = good.header.verify().unwrap().body;
+    header.compute_root = Digest::of(b"not the root");
+    wrong_root.header = Signed::sign(&seq, &header);
+    let forged = {
+        let t = Transaction::new(
+            k.address(),
+            Some(seq.address()),
+            Amount(5),
+            1,
+            1,
+            TxPayload::Transfer,
+        )
+        .unwrap();
+        block_of(&seq, 2, tip, vec![Signed::sign(&seq, &t)])
+    };
+    let replayed = block_of(&seq, 2, tip, vec![first_tx]);
+    let not_theirs = {
+        let r = ComputeResult::signed(
+            &seq,
+            cannabis_market::ledger::Ledger::seed_task_id(&tip),
+            Digest::of(b"c"),
+            None,
+            Some(1),
+        );
+        let mut t = Transaction::submit_result(r, 1, 1).unwrap();
+        t.from_address = k.address();
+        block_of(&seq, 2, tip, vec![Signed::sign(&k, &t)])
+    };
+    let beyond = block_of(&seq, 2, tip, vec![transfer(&k, after_one, 1)]);
+    let stranger = block_of(&k, 2, tip, vec![transfer(&k, 5, 1)]);
+    let a_peer = a.handle.peer_id();
+    let bad_blocks = [
+        ("a wrong compute_root", wrong_root),
+        ("a forged transaction", forged),
+        ("a replayed nonce", replayed),
+        ("a result from another worker", not_theirs),
+        ("a spend beyond the balance", beyond),
+        ("a block from a stranger", stranger),
+    ];
+    for (what, bad) in bad_blocks {
+        let mut h = connected(&a, hostile_swarm()).await;
+        publish(&mut h, &bad);
+        drive_for(&mut h, 500).await;
+        // Judged and refused: its sender's score fell, or it was let go.
+        let id = h.local_peer_id().to_string();
+        let score = a
+            .handle
+            .peers()
+            .await
+            .unwrap()
+            .iter()
+            .find(|p| p.peer_id == id)
+            .map(|p| p.score);
+        assert!(
+            !h.is_connected(&a_peer) || score.is_some_and(|s| s < 0.0),
+            "{what}: its sender still scores {score:?}"
+        );
+        assert_eq!(height(&a).await, 1, "{what} was taken");
+    }
+    assert_eq!(k_balance(&a).await, after_one);
+
+    // The sequencer's good block 2 is still taken.
+    publish(&mut hostile, &good);
+    wait_for(Duration::from_secs(10), "block 2", || async {
+        (height(&a).await == 2).then_some(())
+    })
+    .await;
+    assert_eq!(k_balance(&a).await, after_one - 5 - 21_000);
+    a.stop().await;
 }

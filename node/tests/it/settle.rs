@@ -4,7 +4,7 @@
 //! recipient and the rest back to the requester (balances before and after); an
 //! undisputed delivery is paid when its review window ends; a dispute freezes the money
 //! until the network's resolver settles it; a job whose deadline passes gets its budget
-//! back in full.
+//! back in full; an offer on other fee terms than the network's is declined.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -349,5 +349,76 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+
+    // A requester outside the network's terms (no genesis, the 1% to its own address)
+    // gets no bids: every worker declines, naming the fee terms.
+    let outsider = dir.path().join("outsider");
+    let o = cannabis(&outsider, &["keys", "new"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let pocket = String::from_utf8(cannabis(&outsider, &["keys", "address"]).stdout).unwrap();
+    let pocket = pocket.trim();
+    let config = outsider.join("node.toml");
+    std::fs::write(
+        &config,
+        format!("[gossip.fee]\nrate_bps = 100\nrecipient = \"{pocket}\"\n"),
+    )
+    .unwrap();
+    let first = client(&nodes[0]).status().unwrap();
+    let tcp = first
+        .listen_addrs
+        .iter()
+        .find(|a| a.starts_with("/ip4/127.0.0.1/tcp/"))
+        .unwrap();
+    let bootstrap = format!("{tcp}/p2p/{}", first.peer_id);
+    let args: Vec<String> = [
+        env!("CARGO_BIN_EXE_cannabis"),
+        "--data-dir",
+        outsider.to_str().unwrap(),
+        "node",
+        "run",
+        "--testnet",
+        "--no-mdns",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--api",
+        "127.0.0.1:0",
+        "--bootstrap",
+        &bootstrap,
+        "--config",
+        config.to_str().unwrap(),
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    let _outsider_node = super::testnet::Restarted::start(&args);
+    let until = Instant::now() + Duration::from_secs(60);
+    while ApiClient::from_data_dir(&outsider)
+        .and_then(|c| c.get::<Vec<cannabis_api::Ad>>("/v1/market/ads"))
+        .map_or(0, |a| a.iter().filter(|a| !a.adapters.is_empty()).count())
+        < 3
+    {
+        assert!(Instant::now() < until, "the outsider heard no ads");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let id = submit(
+        &outsider,
+        &work,
+        "outsider",
+        &job_file("outsider", "1m", "5m", 64),
+    );
+    let j = wait_job(&outsider, &id, 60, "the outsider's job to fail", |j| {
+        j.summary.state == JobState::Failed
+    });
+    assert_eq!(j.escrowed, Escrowed::Unsettled);
+    let t = &j.tasks[0];
+    assert!(t.bids.is_empty(), "{:?}", t.bids);
+    assert!(
+        !t.declines.is_empty()
+            && t.declines
+                .iter()
+                .all(|(_, why)| why.contains("fee terms") && why.contains(pocket)),
+        "{:?}",
+        t.declines
+    );
     drop(net);
 }
