@@ -37,7 +37,7 @@ use cannabis_protocol::{
 };
 
 use crate::fanin::FaninConfig;
-use crate::job::{Job, JobState, LeaseConfig};
+use crate::job::{Job, JobState, LeaseConfig, ProductVerdict};
 use crate::lease::{AssignmentKey, EndReason, Lease, Leases, SentBid};
 use crate::matching::{self, Context, Explanation};
 use crate::quote::WorkerPolicy;
@@ -470,10 +470,33 @@ pub enum Output {
     /// [`Command::RankFailed`] if they cannot be had). Fenced: it comes once the manifest
     /// is durable; it comes again after a restart while the rank is still not done.
     Fetch(Box<Signed<DeliveryManifest>>),
+    /// Check a delivered synthetic product against its task without recomputing it (the
+    /// rank's `product.i32` and `result.json` as the fetch kept them: the result's seed and
+    /// size, the product's hash, Freivalds' method), then give back
+    /// [`Command::ProductChecked`]. Comes once the rank is done, and again after a restart
+    /// until a verdict is kept.
+    CheckProduct(ProductCheck),
     /// Ask settlement for this (sign it as a transaction of this node's and submit it
     /// once the ledger's state lets it apply). Fenced: it comes once the job or lease
     /// behind it is durable. A lock is answered with [`Command::Locked`].
     Settle(Settle),
+}
+
+/// A delivered synthetic product to check ([`Output::CheckProduct`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProductCheck {
+    /// The job.
+    pub job: Uuid,
+    /// The task.
+    pub task: u32,
+    /// The rank.
+    pub rank: u32,
+    /// The epoch that delivered it.
+    pub epoch: u64,
+    /// The task's seed at that epoch ([`RunOrder::seed`] of the award).
+    pub seed: Digest,
+    /// The task's dimension.
+    pub n: u32,
 }
 
 /// What the engine asks of settlement: the [`crate::ledger`]'s escrow operations. The
@@ -634,6 +657,21 @@ pub enum Command {
         epoch: u64,
         /// Output digests by name.
         outputs: Vec<NamedDigest>,
+    },
+    /// A delivered synthetic product was checked ([`Output::CheckProduct`]): a failed
+    /// check disputes that rank's delivery. Once per rank and epoch; a repeat changes
+    /// nothing.
+    ProductChecked {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The rank.
+        rank: u32,
+        /// Its epoch.
+        epoch: u64,
+        /// The verdict.
+        verdict: ProductVerdict,
     },
     /// The executor's attempt for a lease this node holds changed stage: the requester is
     /// told (only while the lease is current at that epoch).
@@ -909,6 +947,10 @@ impl Market {
                         for due in job.fetches_due() {
                             m.out.fenced(Output::Fetch(Box::new(due)));
                         }
+                        // Products delivered but not yet checked are checked.
+                        for check in requester::product_checks_due(&job) {
+                            m.out.fenced(Output::CheckProduct(check));
+                        }
                         // A lock asked for before a restart is asked for again (settlement
                         // answers at once if it is in a block already).
                         if let Some(resolver) = m.config.resolver
@@ -1041,6 +1083,13 @@ impl Market {
                 epoch,
                 outputs,
             } => self.delivered(job, task, rank, epoch, &outputs),
+            Command::ProductChecked {
+                job,
+                task,
+                rank,
+                epoch,
+                verdict,
+            } => self.product_checked(job, task, rank, epoch, verdict),
             Command::Locked { job, refused } => {
                 let now = self.now;
                 let j = self.job_mut(job)?;

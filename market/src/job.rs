@@ -263,6 +263,20 @@ pub struct Assignment {
     /// and checked against it before the rank is done.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery: Option<Box<Signed<DeliveryManifest>>>,
+    /// For a synthetic task: the delivered product's check, once made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub product: Option<ProductVerdict>,
+}
+
+/// How a delivered synthetic product fared against its task (checked by the requester,
+/// without recomputing it: the result's hash and Freivalds' method).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProductVerdict {
+    /// It is the task's product (a wrong one passes with probability below `2^-30`).
+    Passed,
+    /// It is not; why.
+    Failed(String),
 }
 
 /// A worker's latest report on the work of a lease.
@@ -1148,6 +1162,31 @@ impl Job {
         Ok(())
     }
 
+    /// The check of a delivered synthetic product: kept once per rank and epoch. Returns
+    /// whether it is new and failed (the delivery is then disputed).
+    pub fn on_product_checked(
+        &mut self,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+        verdict: ProductVerdict,
+        now: Timestamp,
+    ) -> Result<bool, Refusal> {
+        let a = self.assignment(task, rank, epoch)?;
+        if a.state != LeaseState::Done || a.product.is_some() {
+            return Ok(false);
+        }
+        a.product = Some(verdict.clone());
+        let text = match &verdict {
+            ProductVerdict::Passed => format!(
+                "rank {rank}'s product checked: it hashes to the result and passes Freivalds' check"
+            ),
+            ProductVerdict::Failed(why) => format!("rank {rank}'s product is wrong: {why}"),
+        };
+        self.log(now, Some(task), text);
+        Ok(matches!(verdict, ProductVerdict::Failed(_)))
+    }
+
     /// A rank delivered (reported by the delivery path, after its result verified), with
     /// the digests of its outputs by name. Tasks that read them get them pinned in their
     /// awards.
@@ -1517,6 +1556,7 @@ impl Job {
                 progress: None,
                 delivery: None,
                 accepted: None,
+                product: None,
             });
             actions.push(Action::Award(award));
         }

@@ -55,7 +55,7 @@ mod view;
 pub use engine::{
     Answer, BatchId, Command, CommandError, CommandOk, GossipId, Heard, Identity, Inbound,
     InboundId, Input, Market, MarketConfig, MarketEvent, Origin, Outbound, OutboundId, Output,
-    Publish, Record, RecordKey, RecordOp, Reply, RunOrder, Settle, SyncId,
+    ProductCheck, Publish, Record, RecordKey, RecordOp, Reply, RunOrder, Settle, SyncId,
 };
 pub use refusal::Refusal;
 pub use spec::OfferTemplate;

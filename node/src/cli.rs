@@ -303,6 +303,19 @@ pub(crate) enum ExecCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Measure the synthetic task: generating its matrices, each product kernel this CPU
+    /// runs against a plain f32 product, hashing, checking a delivered product with
+    /// Freivalds' method, and the capability challenge's proof against its check.
+    BenchSynthetic {
+        /// Matrix dimensions, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [1024u32, 2048])]
+        sizes: Vec<u32>,
+        /// Timed runs per figure (the median is shown).
+        #[arg(long, default_value_t = 5)]
+        runs: u32,
+        #[command(flatten)]
+        format: Format,
+    },
     /// The synthetic task itself (what the sandbox runs): writes its result as JSON.
     #[command(hide = true)]
     Synthetic {
@@ -315,6 +328,9 @@ pub(crate) enum ExecCommand {
         /// Where to write the result.
         #[arg(long)]
         out: PathBuf,
+        /// Where to write the product (`4 n^2` bytes: little-endian i32, row-major).
+        #[arg(long)]
+        product: Option<PathBuf>,
     },
 }
 

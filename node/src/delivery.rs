@@ -1123,6 +1123,48 @@ fn dtype_bits(dtype: &str) -> Option<u64> {
     })
 }
 
+/// Checks a rank's delivered synthetic product, as the fetch kept it in `dir`, against its
+/// task (seed and size from the award) without recomputing it: `result.json` answers this
+/// task, `product.i32` is `4 n^2` bytes, hashes to the result, and passes Freivalds' check
+/// with a vector drawn from fresh randomness ([`SyntheticTask::verify`]).
+///
+/// [`SyntheticTask::verify`]: cannabis_protocol::synthetic::SyntheticTask::verify
+pub fn check_product(dir: &Path, seed: Digest, n: u32) -> Result<(), String> {
+    use cannabis_protocol::{SYNTHETIC_PRODUCT, SYNTHETIC_RESULT, synthetic::SyntheticTask};
+    let mut text = String::new();
+    File::open(dir.join(SYNTHETIC_RESULT))
+        .and_then(|f| f.take(4096).read_to_string(&mut text))
+        .map_err(|e| format!("reading {SYNTHETIC_RESULT}: {e}"))?;
+    let result: cannabis_runtime::exec::SyntheticResult = serde_json::from_str(&text)
+        .map_err(|e| format!("{SYNTHETIC_RESULT} is not a synthetic result: {e}"))?;
+    if result.seed != seed || result.n != n {
+        return Err(format!(
+            "{SYNTHETIC_RESULT} answers another task (seed {}, n {}; the award's is seed {seed}, n {n})",
+            result.seed, result.n
+        ));
+    }
+    let path = dir.join(SYNTHETIC_PRODUCT);
+    let expected = 4 * u64::from(n).pow(2);
+    let size = fs::metadata(&path)
+        .map_err(|e| format!("reading {SYNTHETIC_PRODUCT}: {e}"))?
+        .len();
+    if size != expected {
+        return Err(format!(
+            "{SYNTHETIC_PRODUCT} is {size} bytes; a {n}x{n} product is {expected}"
+        ));
+    }
+    let bytes = fs::read(&path).map_err(|e| format!("reading {SYNTHETIC_PRODUCT}: {e}"))?;
+    let c: Vec<i32> = bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let task = SyntheticTask::new(seed, n).map_err(|e| e.to_string())?;
+    let mut r_seed = [0u8; 32];
+    getrandom::getrandom(&mut r_seed).map_err(|e| format!("the system random source: {e}"))?;
+    task.verify(&c, &result.result_hash, &Digest(r_seed))
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1242,5 +1284,57 @@ mod tests {
         );
         fs::write(&p, b"plain text.").unwrap();
         check_content("notes.txt", &p).unwrap();
+    }
+
+    /// The product a worker delivers passes; a wrong one, one for another task, a short
+    /// one and a missing one are each refused with the reason.
+    #[test]
+    fn a_delivered_product_is_checked_without_recomputing_it() {
+        use cannabis_protocol::{SYNTHETIC_PRODUCT, SYNTHETIC_RESULT};
+        let dir = tempfile::tempdir().unwrap();
+        let (seed, n) = (Digest::of(b"award"), 40);
+        let write = |seed: Digest, tamper: bool| {
+            let (result, mut bytes) = cannabis_runtime::exec::run_synthetic(seed, n).unwrap();
+            if tamper {
+                // One entry off by one, and the result hash made to match it.
+                bytes[44] ^= 1;
+                let c: Vec<i32> = bytes
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let forged = cannabis_runtime::exec::SyntheticResult {
+                    result_hash: cannabis_protocol::synthetic::result_hash(&c),
+                    ..result
+                };
+                fs::write(
+                    dir.path().join(SYNTHETIC_RESULT),
+                    serde_json::to_vec(&forged).unwrap(),
+                )
+                .unwrap();
+            } else {
+                fs::write(
+                    dir.path().join(SYNTHETIC_RESULT),
+                    serde_json::to_vec(&result).unwrap(),
+                )
+                .unwrap();
+            }
+            fs::write(dir.path().join(SYNTHETIC_PRODUCT), bytes).unwrap();
+        };
+        write(seed, false);
+        assert_eq!(check_product(dir.path(), seed, n), Ok(()));
+        write(seed, true);
+        let e = check_product(dir.path(), seed, n).unwrap_err();
+        assert!(e.contains("Freivalds"), "{e}");
+        write(Digest::of(b"another award"), false);
+        let e = check_product(dir.path(), seed, n).unwrap_err();
+        assert!(e.contains("answers another task"), "{e}");
+        write(seed, false);
+        let short = fs::read(dir.path().join(SYNTHETIC_PRODUCT)).unwrap();
+        fs::write(dir.path().join(SYNTHETIC_PRODUCT), &short[4..]).unwrap();
+        let e = check_product(dir.path(), seed, n).unwrap_err();
+        assert!(e.contains("6396 bytes; a 40x40 product is 6400"), "{e}");
+        fs::remove_file(dir.path().join(SYNTHETIC_PRODUCT)).unwrap();
+        let e = check_product(dir.path(), seed, n).unwrap_err();
+        assert!(e.contains("reading product.i32"), "{e}");
     }
 }

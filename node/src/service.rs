@@ -157,6 +157,8 @@ pub(crate) enum Command {
         Box<cannabis_protocol::DeliveryManifest>,
         Result<Vec<cannabis_protocol::NamedDigest>, String>,
     ),
+    /// A delivered synthetic product was checked off the driver.
+    ProductChecked(cannabis_market::ProductCheck, Result<(), String>),
     /// Set a peer the capability challenge.
     Challenge(
         PeerId,
@@ -799,6 +801,7 @@ impl Node {
                     let _ = self.runner.send(order);
                 }
                 Output::Fetch(manifest) => self.start_fetch(*manifest),
+                Output::CheckProduct(check) => self.check_product(check),
                 Output::Settle(order) => self.on_settle(order),
             }
         }
@@ -1141,6 +1144,7 @@ impl Node {
                 self.answer_transfer(channel, response);
             }
             Command::Fetched(manifest, result) => self.fetched(*manifest, result),
+            Command::ProductChecked(check, verdict) => self.product_checked(check, verdict),
         }
     }
 

@@ -2,16 +2,17 @@
 //! here and only here), running jobs, widening calls that drew too few bids.
 
 use cannabis_protocol::{
-    Amount, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle,
-    JobOffer, LeaseAccept, Message as _, NamedDigest, Outcome, Received, Uuid, draw, message_id,
+    AdapterKind, Amount, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowCancel, EscrowLock,
+    EscrowSettle, JobOffer, LeaseAccept, Message as _, NamedDigest, Outcome, Received, Uuid, draw,
+    message_id,
 };
 
 use super::{
-    Bare, CommandError, CommandOk, Market, MarketEvent, Outbound, Output, Publish, Purpose,
-    RecordKey, Settle,
+    Bare, CommandError, CommandOk, Market, MarketEvent, Outbound, Output, ProductCheck, Publish,
+    Purpose, RecordKey, RunOrder, Settle,
 };
 use crate::fanin;
-use crate::job::{Action, Bidding, Escrowed, Job, JobState, LeaseState};
+use crate::job::{Action, Bidding, Escrowed, Job, JobState, LeaseState, ProductVerdict};
 use crate::matching;
 use crate::placement::Class;
 use crate::{OfferTemplate, Refusal};
@@ -200,6 +201,7 @@ impl Market {
             Some(p) => Outcome::PartiallyAccepted { accepted_ppm: p },
             None => Outcome::Rejected,
         };
+        let dispute = reason.is_some();
         let delivered: Vec<EscrowSettle> = j
             .tasks()
             .iter()
@@ -208,6 +210,10 @@ impl Market {
                 t.ranks()
                     .iter()
                     .filter(|a| a.state == LeaseState::Done)
+                    // A wrong product is disputed already: never accepted with the rest.
+                    .filter(move |a| {
+                        dispute || !matches!(a.product, Some(ProductVerdict::Failed(_)))
+                    })
                     .map(move |a| EscrowSettle {
                         job_id: job,
                         task: i as u32,
@@ -253,7 +259,40 @@ impl Market {
         let now = self.now;
         let j = self.job_mut(job)?;
         let actions = j.on_delivered(task, rank, epoch, outputs, now)?;
+        let checks = product_checks_due(j);
         self.job_changed(job, actions);
+        for check in checks {
+            self.out.fenced(Output::CheckProduct(check));
+        }
+        Ok(CommandOk::Done)
+    }
+
+    /// A delivered synthetic product's verdict: kept, and a wrong product's delivery is
+    /// disputed at once (the escrow then holds its price until the resolver decides), so
+    /// that the review window can never pay for it.
+    pub(super) fn product_checked(
+        &mut self,
+        job: Uuid,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+        verdict: ProductVerdict,
+    ) -> Result<CommandOk, CommandError> {
+        let now = self.now;
+        let j = self.job_mut(job)?;
+        let failed = j.on_product_checked(task, rank, epoch, verdict, now)?;
+        let locked = *j.escrow() == Escrowed::Locked;
+        self.out.dirty(RecordKey::Job(job));
+        if failed && locked {
+            self.out
+                .fenced(Output::Settle(Settle::Dispute(EscrowSettle {
+                    job_id: job,
+                    task,
+                    rank,
+                    epoch,
+                    outcome: Outcome::Rejected,
+                })));
+        }
         Ok(CommandOk::Done)
     }
 
@@ -642,4 +681,30 @@ impl Market {
             self.wakes.insert((t, job));
         }
     }
+}
+
+/// The synthetic products of `job` delivered and not yet checked.
+pub(super) fn product_checks_due(job: &Job) -> Vec<ProductCheck> {
+    job.tasks()
+        .iter()
+        .zip(&job.offer().tasks)
+        .enumerate()
+        .filter(|(_, (_, spec))| spec.workload.adapter == AdapterKind::Synthetic)
+        .flat_map(|(i, (t, spec))| {
+            let n = spec.synthetic_n().ok();
+            t.ranks()
+                .iter()
+                .filter(|a| a.state == LeaseState::Done && a.product.is_none())
+                .filter_map(move |a| {
+                    Some(ProductCheck {
+                        job: job.id(),
+                        task: i as u32,
+                        rank: a.rank,
+                        epoch: a.epoch,
+                        seed: RunOrder::seed(&a.award),
+                        n: n?,
+                    })
+                })
+        })
+        .collect()
 }

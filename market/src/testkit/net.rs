@@ -95,6 +95,8 @@ pub struct Node {
     pub runs: Vec<RunOrder>,
     /// Deliveries whose outputs its driver is asked to fetch, in order.
     pub fetches: Vec<Signed<cannabis_protocol::DeliveryManifest>>,
+    /// Synthetic products the engine asked to check.
+    pub checks: Vec<crate::ProductCheck>,
     /// What it asked of settlement, in order (its driver signs and submits each).
     pub settles: Vec<crate::Settle>,
     config: MarketConfig,
@@ -116,6 +118,7 @@ impl Node {
             store_writes: 0,
             runs: Vec::new(),
             fetches: Vec::new(),
+            checks: Vec::new(),
             settles: Vec::new(),
             config,
             keys,
@@ -237,6 +240,7 @@ impl Node {
                 Output::Event(e) => self.events.push(e),
                 Output::Run(order) => self.runs.push(order),
                 Output::Fetch(manifest) => self.fetches.push(*manifest),
+                Output::CheckProduct(check) => self.checks.push(check),
                 Output::Settle(order) => self.settles.push(order),
             }
         }

@@ -791,9 +791,17 @@ fn a_completed_run_delivers_a_manifest_its_requester_fetches_and_then_the_task_i
     // A manifest that breaks the terms (a missing output, one over its cap) is refused
     // and nothing is fetched.
     for bad in [
-        vec![sealed("out.bin", 10)],
-        vec![sealed("out.bin", 1001), sealed(SYNTHETIC_RESULT, 10)],
-        vec![sealed("other", 10), sealed(SYNTHETIC_RESULT, 10)],
+        vec![sealed("out.bin", 10), sealed(SYNTHETIC_RESULT, 10)],
+        vec![
+            sealed("out.bin", 1001),
+            sealed(SYNTHETIC_RESULT, 10),
+            sealed(SYNTHETIC_PRODUCT, 10),
+        ],
+        vec![
+            sealed("other", 10),
+            sealed(SYNTHETIC_RESULT, 10),
+            sealed(SYNTHETIC_PRODUCT, 10),
+        ],
     ] {
         net.nodes[1].market.command(end, prepared(bad)).unwrap();
         net.tick(end);
@@ -809,7 +817,11 @@ fn a_completed_run_delivers_a_manifest_its_requester_fetches_and_then_the_task_i
         );
     }
 
-    let good = vec![sealed("out.bin", 10), sealed(SYNTHETIC_RESULT, 10)];
+    let good = vec![
+        sealed("out.bin", 10),
+        sealed(SYNTHETIC_RESULT, 10),
+        sealed(SYNTHETIC_PRODUCT, 10),
+    ];
     net.nodes[1]
         .market
         .command(end, prepared(good.clone()))

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use cannabis_market::job::{Escrowed, Failure, JobState, TaskStatus};
+use cannabis_market::job::{Escrowed, Failure, JobState, ProductVerdict, TaskStatus};
 use cannabis_market::ledger::{Ledger, Stage};
 use cannabis_market::testkit::net::{Net, Node};
 use cannabis_market::testkit::{self, Machine};
@@ -147,15 +147,18 @@ fn step(net: &mut Net, now: Timestamp) {
     net.settle(now);
 }
 
-/// The one output every run here delivers.
-fn result() -> OutputDigest {
-    OutputDigest {
-        name: SYNTHETIC_RESULT.into(),
-        digest: Digest::of(b"result"),
-        size_bytes: 32,
-        cipher_size: 232,
-        cipher_root: Digest::of(b"root"),
-    }
+/// The outputs every (synthetic) run here delivers: its result and its product.
+fn results() -> Vec<OutputDigest> {
+    [(SYNTHETIC_RESULT, 32), (SYNTHETIC_PRODUCT, 4096)]
+        .into_iter()
+        .map(|(name, size)| OutputDigest {
+            name: name.into(),
+            digest: Digest::of(name.as_bytes()),
+            size_bytes: size,
+            cipher_size: size + 200,
+            cipher_root: Digest::of(b"root"),
+        })
+        .collect()
 }
 
 /// The worker's attempt `id` completed with [`result`]: its manifest goes out.
@@ -166,7 +169,7 @@ fn prepared(net: &mut Net, id: String, now: Timestamp) {
             now,
             Command::Prepared {
                 request_id: id,
-                outputs: vec![result()],
+                outputs: results(),
                 usage: ResourceUsage::default(),
                 exit_code: Some(0),
                 hardware: "test".into(),
@@ -178,7 +181,6 @@ fn prepared(net: &mut Net, id: String, now: Timestamp) {
 
 /// The requester fetched and checked rank 0's outputs (epoch 1).
 fn fetched(net: &mut Net, job: Uuid, now: Timestamp) {
-    let r = result();
     net.nodes[0]
         .market
         .command(
@@ -188,10 +190,13 @@ fn fetched(net: &mut Net, job: Uuid, now: Timestamp) {
                 task: 0,
                 rank: 0,
                 epoch: 1,
-                outputs: vec![NamedDigest {
-                    name: r.name,
-                    digest: r.digest,
-                }],
+                outputs: results()
+                    .into_iter()
+                    .map(|r| NamedDigest {
+                        name: r.name,
+                        digest: r.digest,
+                    })
+                    .collect(),
             },
         )
         .unwrap();
@@ -431,4 +436,137 @@ fn a_restart_while_locking_asks_for_the_lock_again() {
         net.nodes[0].settles.as_slice(),
         [Settle::Lock(l)] if l.job_id == job
     ));
+}
+
+/// Locks, runs and fetches rank 0 of a synthetic job; returns the check the engine asked
+/// for.
+fn delivered_and_checking(
+    net: &mut Net,
+    chain: &mut Chain,
+    job: Uuid,
+    end: Timestamp,
+) -> cannabis_market::ProductCheck {
+    chain.block(net, end);
+    net.nodes[0]
+        .market
+        .command(end, Command::Locked { job, refused: None })
+        .unwrap();
+    step(net, end);
+    chain.block(net, end);
+    prepared(net, RunOrder::request_id(&(job, 0, 0), 1), end);
+    chain.block(net, end);
+    assert!(
+        net.nodes[0].checks.is_empty(),
+        "nothing to check before the fetch"
+    );
+    fetched(net, job, end);
+    step(net, end);
+    let award = net.nodes[0].market.job(&job).unwrap().tasks()[0].ranks()[0].award;
+    match net.nodes[0].checks.as_slice() {
+        [c] => {
+            assert_eq!((c.job, c.task, c.rank, c.epoch), (job, 0, 0, 1));
+            assert_eq!(c.seed, RunOrder::seed(&award));
+            assert_eq!(c.n, SYNTHETIC_DEFAULT_N);
+            c.clone()
+        }
+        other => panic!("one check expected, got {other:?}"),
+    }
+}
+
+/// A delivered synthetic product that fails its check is disputed at once: the review
+/// window never pays for it, and a repeated verdict changes nothing.
+#[test]
+fn a_wrong_synthetic_product_is_disputed_and_never_paid() {
+    let (mut net, mut chain, job, end) = world(100_000_000);
+    let check = delivered_and_checking(&mut net, &mut chain, job, end);
+    net.nodes[0].settles.clear();
+    let verdict = || Command::ProductChecked {
+        job,
+        task: 0,
+        rank: 0,
+        epoch: check.epoch,
+        verdict: ProductVerdict::Failed("the product is not A * B (Freivalds' check)".into()),
+    };
+    net.nodes[0].market.command(end, verdict()).unwrap();
+    step(&mut net, end);
+    assert!(matches!(
+        net.nodes[0].settles.as_slice(),
+        [Settle::Dispute(s)] if (s.task, s.rank, s.epoch) == (0, 0, 1)
+    ));
+    net.nodes[0].market.command(end, verdict()).unwrap();
+    step(&mut net, end);
+    assert_eq!(
+        net.nodes[0].settles.len(),
+        1,
+        "a repeated verdict disputes again"
+    );
+    assert!(chain.block(&mut net, end).is_empty());
+    let worker = net.nodes[1].address();
+    let before = chain.balance(&worker);
+    chain.block(&mut net, end.plus_ms(3 * 3_600_000));
+    assert!(matches!(
+        chain.ledger.escrow(&job).unwrap().assignments[&(0, 0)].stage,
+        Stage::Disputed { .. }
+    ));
+    assert_eq!(chain.balance(&worker), before, "paid for a wrong product");
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].ranks()[0].product,
+        Some(ProductVerdict::Failed(
+            "the product is not A * B (Freivalds' check)".into()
+        ))
+    );
+    assert!(
+        j.history()
+            .iter()
+            .any(|h| h.text.contains("product is wrong"))
+    );
+}
+
+/// A product that passes is noted and waits for the requester (or the review window); a
+/// restart before the verdict asks for the check again, and not after it.
+#[test]
+fn a_checked_product_is_noted_and_a_restart_checks_again_until_then() {
+    let (mut net, mut chain, job, end) = world(100_000_000);
+    let check = delivered_and_checking(&mut net, &mut chain, job, end);
+    net.nodes[0].checks.clear();
+    net.nodes[0].restart(end);
+    net.nodes[0].drain(end);
+    assert_eq!(net.nodes[0].checks, vec![check.clone()]);
+    net.nodes[0].settles.clear();
+    net.nodes[0]
+        .market
+        .command(
+            end,
+            Command::ProductChecked {
+                job,
+                task: 0,
+                rank: 0,
+                epoch: 1,
+                verdict: ProductVerdict::Passed,
+            },
+        )
+        .unwrap();
+    step(&mut net, end);
+    assert!(
+        net.nodes[0].settles.is_empty(),
+        "a pass settles nothing by itself"
+    );
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].ranks()[0].product,
+        Some(ProductVerdict::Passed)
+    );
+    assert!(
+        j.history()
+            .iter()
+            .any(|h| h.text.contains("product checked"))
+    );
+    net.nodes[0].checks.clear();
+    net.nodes[0].restart(end);
+    net.nodes[0].drain(end);
+    assert!(
+        net.nodes[0].checks.is_empty(),
+        "checked again after its verdict"
+    );
 }

@@ -29,10 +29,24 @@ pub(super) fn run(
     match command {
         ExecCommand::Run(args) => exec_run(&args, data_dir),
         ExecCommand::Bench { runs, size, format } => bench::run(runs, size, format.json),
-        ExecCommand::Synthetic { seed, size, out } => {
+        ExecCommand::BenchSynthetic {
+            sizes,
+            runs,
+            format,
+        } => bench::synthetic(&sizes, runs, format.json),
+        ExecCommand::Synthetic {
+            seed,
+            size,
+            out,
+            product,
+        } => {
             let seed: Digest = seed.parse().context("--seed")?;
-            let result = cannabis_runtime::exec::run_synthetic(seed, size)
+            let (result, bytes) = cannabis_runtime::exec::run_synthetic(seed, size)
                 .map_err(|e| anyhow::anyhow!(e))?;
+            if let Some(product) = product {
+                std::fs::write(&product, bytes)
+                    .with_context(|| format!("writing {}", product.display()))?;
+            }
             std::fs::write(&out, serde_json::to_vec_pretty(&result)?)
                 .with_context(|| format!("writing {}", out.display()))?;
             Ok(())

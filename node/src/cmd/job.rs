@@ -513,8 +513,15 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
                     format!(", work {}: {}", p.stage.name(), p.detail)
                 }
             });
+            let product = match &r.product {
+                None => String::new(),
+                Some(cannabis_market::job::ProductVerdict::Passed) => ", product checked".into(),
+                Some(cannabis_market::job::ProductVerdict::Failed(why)) => {
+                    format!(", product WRONG ({why}): disputed")
+                }
+            };
             out!(
-                "  rank {} {} epoch {} price {} {}{work}",
+                "  rank {} {} epoch {} price {} {}{work}{product}",
                 r.rank,
                 r.worker,
                 r.epoch,

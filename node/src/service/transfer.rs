@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use cannabis_market::Command as MarketCommand;
-use cannabis_market::job::LeaseState;
+use cannabis_market::job::{LeaseState, ProductVerdict};
 use cannabis_protocol::{
     DeliveryManifest, ObjectKind, ObjectRef, Signed, TaskInput, TransferRequest, TransferResponse,
 };
@@ -393,6 +393,46 @@ impl Node {
 }
 
 impl Node {
+    /// The engine asks for a delivered synthetic product to be checked: off the driver
+    /// (reading and hashing up to 256 MiB), the verdict comes back as a command.
+    pub(super) fn check_product(&mut self, check: cannabis_market::ProductCheck) {
+        let dir = delivery::rank_dir(&self.data_dir, &check.job, check.task, check.rank);
+        let tell = self.self_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let verdict = delivery::check_product(&dir, check.seed, check.n);
+            let _ = tell.blocking_send(Command::ProductChecked(check, verdict));
+        });
+    }
+
+    /// A synthetic product's verdict: the engine keeps it (and disputes a wrong one).
+    pub(super) fn product_checked(
+        &mut self,
+        check: cannabis_market::ProductCheck,
+        verdict: Result<(), String>,
+    ) {
+        let verdict = match verdict {
+            Ok(()) => {
+                info!(job = %check.job, task = check.task, rank = check.rank, "delivered product checked");
+                ProductVerdict::Passed
+            }
+            Err(why) => {
+                warn!(job = %check.job, task = check.task, rank = check.rank, reason = %why, "delivered product is wrong: disputing it");
+                ProductVerdict::Failed(why)
+            }
+        };
+        let command = MarketCommand::ProductChecked {
+            job: check.job,
+            task: check.task,
+            rank: check.rank,
+            epoch: check.epoch,
+            verdict,
+        };
+        if let Err(e) = self.market.command(now().0, command) {
+            debug!(error = %e, "product verdict not taken");
+        }
+        self.drain();
+    }
+
     /// Fills a job's delivered outputs (from the ranks' signed manifests) and the fetches
     /// on their way.
     pub(super) fn add_deliveries(&self, id: &cannabis_protocol::Uuid, detail: &mut api::JobDetail) {

@@ -26,7 +26,7 @@ pub const TRANSFER_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/tra
 /// Protocol id of the ledger protocol (transactions to the sequencer, blocks to catch up).
 pub const LEDGER_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/ledger/1");
 /// Protocol id of the capability challenge.
-pub const CHALLENGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/challenge/1");
+pub const CHALLENGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/challenge/2");
 /// A challenge is sized to about two seconds of work with three times that as deadline;
 /// the transport timeout leaves room for large answers on slow links.
 const CHALLENGE_TIMEOUT: Duration = Duration::from_secs(120);

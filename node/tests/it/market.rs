@@ -309,9 +309,15 @@ async fn leased_work_runs_on_the_workers_executor_and_a_cancel_stops_it() {
     })
     .await;
     let out = &job.tasks[0].delivered;
-    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out.len(), 2, "{out:?}");
     assert_eq!(out[0].name, "result.json");
-    assert!(out[0].fetched);
+    assert!(out.iter().all(|o| o.fetched), "{out:?}");
+    // The product itself came back too: 256 x 256 little-endian i32 whose SHA-256 is
+    // the result hash, so the requester can check it without recomputing it.
+    assert_eq!(out[1].name, cannabis_protocol::SYNTHETIC_PRODUCT);
+    let product = std::fs::read(&out[1].path).unwrap();
+    assert_eq!(product.len(), 4 * 256 * 256);
+    assert_eq!(cannabis_protocol::Digest::of(&product), result.result_hash);
     let bytes = std::fs::read(&out[0].path).unwrap();
     assert_eq!(
         cannabis_protocol::Digest::of(&bytes).to_string(),

@@ -170,6 +170,17 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
         j.summary.state == JobState::Completed && matches!(stage(j), Some(Stage::Delivered { .. }))
     });
     assert_eq!(j.escrowed, Escrowed::Locked);
+    // The requester checked the delivered product without recomputing it.
+    let j = wait_job(requester, &id, 30, "the product's check", |j| {
+        j.tasks[0].ranks[0].product.is_some()
+    });
+    assert_eq!(
+        j.tasks[0].ranks[0].product,
+        Some(cannabis_market::job::ProductVerdict::Passed)
+    );
+    let o = cannabis(requester, &["job", "status", &id]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("product checked"), "{text}");
     let history = |j: &JobDetail| j.history.iter().map(|e| e.text.clone()).collect::<Vec<_>>();
     let h = history(&j);
     let locked_at = h

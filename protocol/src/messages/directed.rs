@@ -110,7 +110,7 @@ wire!(MarketResponse, "market response", 4 * 1024);
 wire!(SyncRequest, "sync request", 512);
 wire!(SyncResponse, "sync response", 4 * 1024 * 1024);
 
-/// A capability challenge, on the challenge protocol (`/cannabis/challenge/1`). See
+/// A capability challenge, on the challenge protocol (`/cannabis/challenge/2`). See
 /// [`crate::challenge`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]

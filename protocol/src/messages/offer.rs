@@ -172,22 +172,51 @@ pub struct OutputDecl {
 /// The output every synthetic task delivers besides any it declares: its result, as
 /// JSON (seed, dimension and the product's digest), at most 4 KiB.
 pub const SYNTHETIC_RESULT: &str = "result.json";
+/// The other output every synthetic task delivers: the product `C` itself, its entries as
+/// little-endian `i32`, row-major (`4 n^2` bytes), so that the requester checks it against
+/// the result's hash and with Freivalds' method instead of recomputing it.
+pub const SYNTHETIC_PRODUCT: &str = "product.i32";
+/// A synthetic task's dimension when its entrypoint names none.
+pub const SYNTHETIC_DEFAULT_N: u32 = 256;
 
 impl TaskSpec {
     /// The outputs a rank of this task delivers, with their size caps: the declared ones
-    /// in order, then the synthetic task's [`SYNTHETIC_RESULT`] unless declared.
+    /// in order, then, for a synthetic task, [`SYNTHETIC_RESULT`] (4,096 bytes) and
+    /// [`SYNTHETIC_PRODUCT`] (`4 n^2` bytes), each unless declared.
     pub fn delivered_outputs(&self) -> Vec<(String, u64)> {
         let mut out: Vec<(String, u64)> = self
             .outputs
             .iter()
             .map(|o| (o.name.clone(), o.max_bytes))
             .collect();
-        if self.workload.adapter == AdapterKind::Synthetic
-            && !out.iter().any(|(n, _)| n == SYNTHETIC_RESULT)
-        {
-            out.push((SYNTHETIC_RESULT.into(), 4096));
+        if self.workload.adapter == AdapterKind::Synthetic {
+            let product = self.synthetic_n().map_or(0, |n| 4 * u64::from(n).pow(2));
+            for (name, max) in [(SYNTHETIC_RESULT, 4096), (SYNTHETIC_PRODUCT, product)] {
+                if !out.iter().any(|(n, _)| n == name) {
+                    out.push((name.into(), max));
+                }
+            }
         }
         out
+    }
+
+    /// The dimension a synthetic task asks for: `entrypoint = ["<n>"]`, or
+    /// [`SYNTHETIC_DEFAULT_N`].
+    pub fn synthetic_n(&self) -> Result<u32, String> {
+        match self.workload.entrypoint.as_slice() {
+            [] => Ok(SYNTHETIC_DEFAULT_N),
+            [n] => {
+                let n: u32 = n
+                    .parse()
+                    .map_err(|_| format!("synthetic entrypoint {n:?} is not a matrix size"))?;
+                crate::synthetic::SyntheticTask::new(crate::Digest([0; 32]), n)
+                    .map(|t| t.n)
+                    .map_err(|e| e.to_string())
+            }
+            more => Err(format!(
+                "the synthetic adapter takes at most one argument, the matrix size; got {more:?}"
+            )),
+        }
     }
 }
 

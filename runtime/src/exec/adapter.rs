@@ -125,27 +125,12 @@ impl Adapter for Process {
 /// inside the sandbox, multiplies the seeded matrices and writes `result.json`.
 struct Synthetic;
 
-/// The synthetic task's result file.
-pub(crate) use cannabis_protocol::SYNTHETIC_RESULT;
-/// Default matrix dimension.
-pub(crate) const SYNTHETIC_DEFAULT_N: u32 = 256;
+/// The synthetic task's result file and its product.
+pub(crate) use cannabis_protocol::{SYNTHETIC_PRODUCT, SYNTHETIC_RESULT};
 
 /// The dimension a synthetic task asks for: `entrypoint = ["<n>"]`, or the default.
 pub(crate) fn synthetic_n(request: &AttemptRequest) -> Result<u32, String> {
-    match request.task.workload.entrypoint.as_slice() {
-        [] => Ok(SYNTHETIC_DEFAULT_N),
-        [n] => {
-            let n: u32 = n
-                .parse()
-                .map_err(|_| format!("synthetic entrypoint {n:?} is not a matrix size"))?;
-            cannabis_protocol::synthetic::SyntheticTask::new(Digest([0; 32]), n)
-                .map(|t| t.n)
-                .map_err(|e| e.to_string())
-        }
-        more => Err(format!(
-            "the synthetic adapter takes at most one argument, the matrix size; got {more:?}"
-        )),
-    }
+    request.task.synthetic_n()
 }
 
 impl Adapter for Synthetic {
@@ -181,9 +166,14 @@ impl Adapter for Synthetic {
                 n.to_string(),
                 "--out".into(),
                 format!("{}/{SYNTHETIC_RESULT}", paths::WORK),
+                "--product".into(),
+                format!("{}/{SYNTHETIC_PRODUCT}", paths::WORK),
             ],
             cwd: paths::WORK.into(),
-            outputs: vec![(SYNTHETIC_RESULT.into(), 4096)],
+            outputs: vec![
+                (SYNTHETIC_RESULT.into(), 4096),
+                (SYNTHETIC_PRODUCT.into(), 4 * u64::from(n).pow(2)),
+            ],
         })
     }
 
@@ -208,13 +198,16 @@ impl Adapter for Synthetic {
     }
 }
 
-/// Runs the synthetic task here (the command inside the sandbox) and returns the result.
-pub fn run_synthetic(seed: Digest, n: u32) -> Result<SyntheticResult, String> {
+/// Runs the synthetic task here (the command inside the sandbox): returns the result and
+/// the product's bytes (its entries as little-endian `i32`, row-major).
+pub fn run_synthetic(seed: Digest, n: u32) -> Result<(SyntheticResult, Vec<u8>), String> {
     let task =
         cannabis_protocol::synthetic::SyntheticTask::new(seed, n).map_err(|e| e.to_string())?;
-    Ok(SyntheticResult {
+    let c = task.compute();
+    let result = SyntheticResult {
         seed,
         n,
-        result_hash: task.run(),
-    })
+        result_hash: cannabis_protocol::synthetic::result_hash(&c),
+    };
+    Ok((result, c.iter().flat_map(|x| x.to_le_bytes()).collect()))
 }

@@ -170,6 +170,168 @@ pub(super) fn run(runs: u32, size: u32, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One size's figures, milliseconds (medians).
+#[derive(Serialize)]
+struct SyntheticFigures {
+    n: u32,
+    /// The kernel `multiply` picks on this CPU.
+    kernel: &'static str,
+    generate_ms: f64,
+    /// Each kernel this CPU runs: name and time of the product alone.
+    kernels: Vec<(&'static str, f64)>,
+    sgemm_f32_ms: f64,
+    hash_ms: f64,
+    /// The whole task as a worker runs it: generate, multiply (fastest kernel), hash.
+    compute_ms: f64,
+    /// The same with the portable kernel (the reference, and what v1 workers ran).
+    compute_portable_ms: Option<f64>,
+    /// Checking a delivered product: generate, range, hash, Freivalds.
+    verify_ms: f64,
+    compute_over_verify: f64,
+    compute_portable_over_verify: Option<f64>,
+    fastest_over_sgemm: f64,
+    /// One round of the capability challenge at this size: proved and checked.
+    challenge_prove_ms: Option<f64>,
+    challenge_verify_ms: Option<f64>,
+}
+
+/// `cannabis exec bench-synthetic`.
+pub(super) fn synthetic(sizes: &[u32], runs: u32, json: bool) -> anyhow::Result<()> {
+    use cannabis_protocol::challenge::Challenge;
+    use cannabis_protocol::synthetic::{Kernel, SyntheticTask, result_hash};
+    anyhow::ensure!(runs >= 1, "--runs must be at least 1");
+    let mut all = Vec::new();
+    for &size in sizes {
+        let seed = Digest::of(b"cannabis exec bench-synthetic");
+        let task = SyntheticTask::new(seed, size)?;
+        let n = size as usize;
+        let generate = median(runs, || {
+            std::hint::black_box(task.matrices());
+            Ok(())
+        })?;
+        let (a, b) = task.matrices();
+        let mut kernels = Vec::new();
+        for k in [Kernel::Vnni, Kernel::Avx2, Kernel::Portable] {
+            // The portable kernel is the slow reference: timed up to 2048 only.
+            if !k.available() || (k == Kernel::Portable && n > 2048) {
+                continue;
+            }
+            let t = median(runs, || {
+                std::hint::black_box(k.multiply(&a, &b, n));
+                Ok(())
+            })?;
+            kernels.push((k.name(), ms(t)));
+        }
+        let af: Vec<f32> = a.iter().map(|&x| f32::from(x)).collect();
+        let bf: Vec<f32> = b.iter().map(|&x| f32::from(x)).collect();
+        let sgemm_t = median(runs, || {
+            let mut c = vec![0f32; n * n];
+            sgemm(&af, &bf, &mut c, n, isize::try_from(n)?);
+            std::hint::black_box(c);
+            Ok(())
+        })?;
+        let c = task.compute();
+        let claimed = result_hash(&c);
+        let hash = median(runs, || {
+            std::hint::black_box(result_hash(&c));
+            Ok(())
+        })?;
+        let compute = median(runs, || {
+            std::hint::black_box(task.run());
+            Ok(())
+        })?;
+        let portable = kernels
+            .iter()
+            .find(|(k, _)| *k == Kernel::Portable.name())
+            .map(|(_, t)| ms(generate) + t + ms(hash));
+        let mut check = 0u64;
+        let verify = median(runs, || {
+            check += 1;
+            let r = Digest::of(&check.to_le_bytes());
+            task.verify(&c, &claimed, &r)
+                .map_err(|e| anyhow::anyhow!("the honest product failed its check: {e}"))
+        })?;
+        let (challenge_prove, challenge_verify) =
+            if size <= cannabis_protocol::challenge::MAX_CHALLENGE_N {
+                let ch = Challenge::new(seed, size, 1)?;
+                let answer = ch.prove();
+                let prove = median(runs, || {
+                    std::hint::black_box(ch.prove());
+                    Ok(())
+                })?;
+                let verify = median(runs, || {
+                    ch.verify(&answer, &Digest::of(b"r"))
+                        .map_err(|e| anyhow::anyhow!("the honest answer failed its check: {e}"))
+                })?;
+                (Some(ms(prove)), Some(ms(verify)))
+            } else {
+                (None, None)
+            };
+        let fastest = kernels
+            .iter()
+            .map(|(_, t)| *t)
+            .fold(f64::INFINITY, f64::min);
+        all.push(SyntheticFigures {
+            n: size,
+            kernel: Kernel::detect().name(),
+            generate_ms: ms(generate),
+            kernels,
+            sgemm_f32_ms: ms(sgemm_t),
+            hash_ms: ms(hash),
+            compute_ms: ms(compute),
+            compute_portable_ms: portable,
+            verify_ms: ms(verify),
+            compute_over_verify: ms(compute) / ms(verify),
+            compute_portable_over_verify: portable.map(|p| p / ms(verify)),
+            fastest_over_sgemm: ms(sgemm_t) / fastest,
+            challenge_prove_ms: challenge_prove,
+            challenge_verify_ms: challenge_verify,
+        });
+    }
+    if json {
+        return output::json(&all);
+    }
+    for f in &all {
+        out!(
+            "synthetic task {0}x{0}, one core, median of {runs} (multiply uses {1}):",
+            f.n,
+            f.kernel
+        )?;
+        out!("  generate A, B (ChaCha20)     {:>9.2} ms", f.generate_ms)?;
+        for (k, t) in &f.kernels {
+            out!("  product, {k:<19} {t:>9.2} ms")?;
+        }
+        out!("  product, f32 sgemm           {:>9.2} ms", f.sgemm_f32_ms)?;
+        out!(
+            "  f32 / fastest int8           {:>9.2}x",
+            f.fastest_over_sgemm
+        )?;
+        out!("  hash C (SHA-256)             {:>9.2} ms", f.hash_ms)?;
+        out!(
+            "  compute (generate, product, hash) {:>4.2} ms",
+            f.compute_ms
+        )?;
+        out!(
+            "  verify (generate, range, hash, Freivalds) {:.2} ms",
+            f.verify_ms
+        )?;
+        out!(
+            "  compute / verify             {:>9.1}x",
+            f.compute_over_verify
+        )?;
+        if let (Some(p), Some(r)) = (f.compute_portable_ms, f.compute_portable_over_verify) {
+            out!("  compute, portable kernel     {p:>9.2} ms  ({r:.1}x verify)")?;
+        }
+        if let (Some(p), Some(v)) = (f.challenge_prove_ms, f.challenge_verify_ms) {
+            out!(
+                "  challenge round: prove {p:.2} ms, verify {v:.2} ms ({:.1}x)",
+                p / v
+            )?;
+        }
+    }
+    Ok(())
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
