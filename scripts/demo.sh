@@ -2,8 +2,10 @@
 # The demo (README): builds `cannabis`, walks one job through the protocol, then runs five
 # real nodes on loopback, measures how fast offers spread between them and how long a
 # group job takes from submission to countersigned leases, runs a three-node testnet's own
-# ledger (faucet, a transfer, a rewarded proof-of-compute result and its inclusion proof),
-# simulates the market at 500 nodes, and runs the synthetic task in this machine's sandbox.
+# ledger (faucet, a transfer, a rewarded proof-of-compute result and its inclusion proof)
+# and a job paid through its escrow (locked, run, delivered, its product checked,
+# accepted), simulates the market at 500 nodes, and runs the synthetic task in this
+# machine's sandbox.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked -p cannabis-node
@@ -52,6 +54,43 @@ echo "node 2 proves it; node 0 checks the proof against the block it holds:"
 echo "node 2's view of node 1's account:"
 "$bin" --data-dir "$n2" wallet balance "$("$bin" --data-dir "$n1" keys address)"
 "$bin" --data-dir "$n0" ledger blocks --limit 5
+
+echo
+echo "== a job paid through escrow: locked before any award, run, delivered, accepted"
+cat >"$dir/job.toml" <<'JOB'
+name = "paid"
+deadline = "5m"
+bid_window = "2s"
+review_window = "10m"
+[[task]]
+name = "paid"
+budget = 300_000
+[task.workload]
+adapter = "synthetic"
+[task.resources]
+cpu = 1
+memory = "256MiB"
+JOB
+# Node 1 publishes once it holds the other nodes' ads.
+for _ in $(seq 1 300); do
+    ads=$("$bin" --data-dir "$n1" market ads --json 2>/dev/null | grep -c '"synthetic"' || true)
+    [ "$ads" -ge 2 ] && break
+    sleep 0.1
+done
+"$bin" --data-dir "$n1" job submit "$dir/job.toml" --dry-run | sed -n '1,8p'
+job=$("$bin" --data-dir "$n1" job submit "$dir/job.toml" --yes --json |
+    grep -o '"job_id": *"[0-9a-f-]*"' | cut -d'"' -f4)
+for _ in $(seq 1 600); do
+    "$bin" --data-dir "$n1" job status "$job" | grep -q "delivered; review window" && break
+    sleep 0.1
+done
+"$bin" --data-dir "$n1" job accept "$job"
+for _ in $(seq 1 300); do
+    "$bin" --data-dir "$n1" job status "$job" | grep -q "^escrow: .*closed" && break
+    sleep 0.1
+done
+"$bin" --data-dir "$n1" job status "$job"
+"$bin" --data-dir "$n1" job status "$job" | grep -q "^escrow: .*closed"
 "$bin" testnet down --dir "$dir/ledger" >/dev/null
 kill "$up_pid" 2>/dev/null || true
 wait "$up_pid" 2>/dev/null || true
