@@ -725,8 +725,17 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     let o = results(id, true);
     assert!(o.status.success(), "{}", stderr(&o));
     let written: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(written.as_array().unwrap().len(), 1, "{written}");
-    assert!(Path::new(written[0]["path"].as_str().unwrap()).is_file());
+    // The synthetic task delivers its result and its product.
+    let names: Vec<&str> = written
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["result.json", "product.i32"], "{written}");
+    for o in written.as_array().unwrap() {
+        assert!(Path::new(o["path"].as_str().unwrap()).is_file(), "{o}");
+    }
     // A job that ends without delivering ends the wait with the reason.
     let o = cannabis(dir.path(), &["job", "submit", &spec, "--yes", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
