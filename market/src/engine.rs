@@ -36,6 +36,7 @@ use cannabis_protocol::{
     Timestamp, TxPayload, Uuid,
 };
 
+use crate::attest::AttestationPolicy;
 use crate::fanin::FaninConfig;
 use crate::job::{Job, JobState, LeaseConfig, ProductVerdict};
 use crate::lease::{AssignmentKey, EndReason, Lease, Leases, SentBid};
@@ -68,6 +69,10 @@ pub struct MarketConfig {
     /// its escrow, and this node's deliveries are committed there ([`Output::Settle`]).
     /// `None`: this node keeps no ledger and settles nothing.
     pub resolver: Option<Address>,
+    /// Which confidential-execution evidence counts (a network setting): a job that
+    /// requires confidential execution goes only to workers whose evidence does, and is
+    /// refused at once where none can.
+    pub attestation: AttestationPolicy,
 }
 
 /// Who this node is.
@@ -798,6 +803,15 @@ pub enum CommandError {
          (`gossip.fee` in the node's configuration)"
     )]
     NoFeeTerms,
+    /// A task requires confidential execution, and no evidence can verify on this node's
+    /// network: it could go nowhere, and never to an ordinary host.
+    #[error("task {task} requires confidential execution, but {why}")]
+    NoConfidentialVerifier {
+        /// The task's index.
+        task: u32,
+        /// Why no evidence can count.
+        why: &'static str,
+    },
     /// The job settles through no ledger: there is nothing to accept or dispute.
     #[error("job {0} is not settled through a ledger (this node has no genesis)")]
     Unsettled(Uuid),
@@ -1411,6 +1425,7 @@ impl Market {
             now: self.now,
             me: Some(self.me.address),
             local_passes: &self.local_passes,
+            attestation: self.config.attestation,
         }
     }
 

@@ -20,6 +20,7 @@
 //! - [`lease`]: the worker's side of leases.
 //! - [`fanin`]: how an offer draws a bounded number of bids however many workers match.
 //! - [`spec`]: the job file.
+//! - [`attest`]: which workers' confidential-execution evidence counts.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -36,6 +37,7 @@
 //! ```
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod attest;
 mod engine;
 pub mod fanin;
 pub mod job;

@@ -11,6 +11,8 @@ use cannabis_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::attest::AttestationPolicy;
+
 const GIB: u64 = 1 << 30;
 
 /// One requirement a task puts on a worker's ad.
@@ -112,7 +114,9 @@ impl std::fmt::Display for Requirement {
                 write!(f, "collective {}", kebab(collective))
             }
             Requirement::Isolation { layer } => write!(f, "isolation {}", kebab(layer)),
-            Requirement::Confidential => write!(f, "confidential execution"),
+            Requirement::Confidential => {
+                write!(f, "confidential execution (evidence that verifies here)")
+            }
             Requirement::Challenge { max_age_ms } => {
                 write!(
                     f,
@@ -173,6 +177,8 @@ pub struct Context<'a> {
     pub me: Option<Address>,
     /// When each node last passed a challenge this node set.
     pub local_passes: &'a BTreeMap<Address, Timestamp>,
+    /// Which confidential-execution evidence counts here.
+    pub attestation: AttestationPolicy,
 }
 
 static NO_PASSES: BTreeMap<Address, Timestamp> = BTreeMap::new();
@@ -183,6 +189,7 @@ impl Default for Context<'_> {
             now: Timestamp::default(),
             me: None,
             local_passes: &NO_PASSES,
+            attestation: AttestationPolicy::default(),
         }
     }
 }
@@ -301,7 +308,7 @@ pub fn meets(req: &Requirement, task: &TaskSpec, ad: &CapabilityAd, ctx: &Contex
             .any(|r| r.name == *name && version_at_least(&r.version, min_version)),
         Requirement::Collective { collective } => ad.collectives.contains(collective),
         Requirement::Isolation { layer } => ad.isolation.contains(layer),
-        Requirement::Confidential => ad.attestation.is_some(),
+        Requirement::Confidential => ctx.attestation.verify(ad).is_ok(),
         Requirement::Challenge { max_age_ms } => ctx
             .newest_pass(ad, &task.requirements.challenge_verifiers)
             .is_some_and(|t| ctx.now.ms_since(t) <= *max_age_ms),

@@ -37,6 +37,8 @@ pub struct Machine {
     pub cpu_core_hour: u64,
     /// Price per GPU-hour.
     pub gpu_hour: u64,
+    /// Whether its ad carries a `dev` attestation (testnets only).
+    pub dev_attested: bool,
 }
 
 impl Default for Machine {
@@ -48,6 +50,7 @@ impl Default for Machine {
             torch: None,
             cpu_core_hour: 10,
             gpu_hour: 1000,
+            dev_attested: false,
         }
     }
 }
@@ -118,7 +121,9 @@ pub fn ad(address: Address, machine: &Machine, now: Timestamp) -> CapabilityAd {
             gpu_hour,
             minimum_job: Amount(1),
         },
-        attestation: None,
+        attestation: machine
+            .dev_attested
+            .then(|| crate::attest::dev_attestation(&address)),
         challenges: Vec::new(),
     }
 }

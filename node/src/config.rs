@@ -50,6 +50,14 @@ pub struct NodeConfig {
     pub supervisor: Option<std::path::PathBuf>,
     /// The embedded ledger: the network's genesis, and whether this node sequences it.
     pub ledger: LedgerConfig,
+    /// The confidential-execution evidence this node's ads carry: none, or `"dev"` (an
+    /// insecure stand-in that proves nothing, for testnets only: refused without
+    /// `--testnet`). See docs/confidential.md.
+    pub attestation: Option<cannabis_protocol::AttestationKind>,
+    /// Whether this node is on a local testnet (`node run --testnet`): `dev` attestations
+    /// count only there.
+    #[serde(skip)]
+    pub testnet: bool,
     /// The administrator's ceilings file (set by `node run --ceilings`, never by this
     /// file: the owner's settings cannot move their own ceiling).
     #[serde(skip)]
@@ -303,6 +311,8 @@ impl Default for NodeConfig {
             ledger: LedgerConfig::default(),
             program: None,
             ceilings: None,
+            attestation: None,
+            testnet: false,
             source: None,
         }
     }
@@ -378,6 +388,25 @@ impl NodeConfig {
         }
         Ok(())
     }
+
+    /// Whether this node may carry the attestation it is set to (known only once it is
+    /// started, with or without `--testnet`).
+    pub fn check_attestation(&self) -> anyhow::Result<()> {
+        match self.attestation {
+            None => {}
+            Some(cannabis_protocol::AttestationKind::Dev) => anyhow::ensure!(
+                self.testnet,
+                "attestation = \"dev\" is insecure (anyone can make it, it proves nothing) \
+                 and allowed on a local testnet only (`node run --testnet`); remove it"
+            ),
+            Some(kind) => anyhow::bail!(
+                "attestation = \"{}\": this build cannot produce that evidence yet; only \
+                 \"dev\", on testnets (docs/confidential.md)",
+                cannabis_market::attest::kind_name(kind)
+            ),
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -433,12 +462,26 @@ mod tests {
         let configs: Vec<NodeConfig> = (0..8)
             .map(|i| {
                 let recipient = cannabis_market::testkit::fee_terms().recipient.to_string();
-                toml::from_str(&cannabis_testnet::launcher::node_config(i, &recipient)).unwrap()
+                let mut c: NodeConfig =
+                    toml::from_str(&cannabis_testnet::launcher::node_config(i, &recipient))
+                        .unwrap();
+                c.testnet = true; // as `testnet up` runs them
+                c
             })
             .collect();
         assert!(configs.iter().all(|c| c.worker.custom_code
             && c.check().is_ok()
+            && c.check_attestation().is_ok()
             && c.gossip.fee == Some(cannabis_market::testkit::fee_terms())));
+        // Nodes 3 and 7 carry a dev attestation, which only a testnet allows.
+        let attested: Vec<usize> = (0..8)
+            .filter(|&i| configs[i].attestation.is_some())
+            .collect();
+        assert_eq!(attested, [3, 7]);
+        let mut outside = configs[3].clone();
+        outside.testnet = false;
+        let e = outside.check_attestation().unwrap_err().to_string();
+        assert!(e.contains("insecure") && e.contains("--testnet"), "{e}");
         let prices: std::collections::BTreeSet<u64> = configs
             .iter()
             .map(|c| c.owner.prices.cpu_core_hour.0)

@@ -401,6 +401,7 @@ pub async fn start(
     api_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<(NodeHandle, tokio::task::JoinHandle<()>)> {
     config.check()?;
+    config.check_attestation()?;
     let genesis = config.ledger.load_genesis()?;
     if let Some(g) = &genesis {
         config.pin_to_genesis(g)?;
@@ -539,6 +540,9 @@ fn market_config(
         fanin: config.fanin.clone(),
         signatures: cannabis_market::Signatures::Check,
         fee: config.gossip.fee.clone(),
+        attestation: cannabis_market::attest::AttestationPolicy {
+            testnet: config.testnet,
+        },
     }
 }
 
@@ -934,6 +938,12 @@ impl Node {
                         let mut ad = api::Ad::from(e);
                         ad.challenge_passed_at_ms = local.get(&e.ad().node).map(|t| t.0);
                         ad.newest_pass_at_ms = ctx.newest_pass(e.ad(), &[]).map(|t| t.0);
+                        ad.attestation_verdict = e.ad().attestation.as_ref().map(|_| {
+                            ctx.attestation
+                                .verify(e.ad())
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        });
                         ad
                     })
                     .collect();

@@ -626,7 +626,9 @@ fn start_process(
 /// each node offers a quarter, half, three quarters or all of this machine's cores and
 /// memory (through the executor's owner limits, which its ad follows). Its owner allows
 /// requesters' own programs (a testnet is its owner's own machine). Every node pins the
-/// testnet's fee terms: 1% to `fee_recipient`.
+/// testnet's fee terms: 1% to `fee_recipient`. Every fourth node (3, 7, ...) advertises a
+/// `dev` attestation, insecure and for testnets only, so that jobs requiring confidential
+/// execution have somewhere to go and are seen to go only there.
 pub fn node_config(index: usize, fee_recipient: &str) -> String {
     let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
     let memory_mib = fs::read_to_string("/proc/meminfo")
@@ -643,8 +645,14 @@ pub fn node_config(index: usize, fee_recipient: &str) -> String {
     let memory = ((memory_mib as f64 * share) as u64).max(256);
     let cpu_price = 600 + 200 * ((index * 7) % 10);
     let memory_price = 50 + 10 * (index % 5);
+    let attestation = if index % 4 == 3 {
+        "# Insecure, testnets only: confidential jobs of this testnet may come here.\n\
+         attestation = \"dev\"\n\n"
+    } else {
+        ""
+    };
     format!(
-        "# Written by `cannabis testnet up` for node {index}.\n\
+        "# Written by `cannabis testnet up` for node {index}.\n{attestation}\
          [owner.prices]\ncpu_core_hour = {cpu_price}\nmemory_gib_hour = {memory_price}\n\n\
          [executor]\ncpu = {cpu}\nmemory = \"{memory}MiB\"\n\n\
          [worker]\ncustom_code = true\n\n\

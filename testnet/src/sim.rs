@@ -313,6 +313,7 @@ fn machine(rng: &mut Rng) -> Machine {
         torch: [None, Some("2.3.1"), Some("2.5.1")][rng.below(3) as usize],
         cpu_core_hour: 5 + rng.below(20),
         gpu_hour: 500 + rng.below(1500),
+        dev_attested: false,
     }
 }
 

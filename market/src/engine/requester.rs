@@ -56,6 +56,15 @@ impl Market {
             return Err(CommandError::JobIdTaken(job_id));
         }
         let fee = self.config.fee.clone().ok_or(CommandError::NoFeeTerms)?;
+        let policy = self.config.attestation;
+        if let Some(task) = t.tasks.iter().position(|t| t.requirements.confidential)
+            && !policy.verifies_any()
+        {
+            return Err(CommandError::NoConfidentialVerifier {
+                task: task as u32,
+                why: policy.why_none(),
+            });
+        }
         if let Some(rate) = self.config.view.offer_rate
             && !self.view.offer_rate_allows(&me, now)
         {

@@ -2,8 +2,9 @@
 //! together (`lifecycle`), and the engine's own rules: bounded fan-in, early placement,
 //! the fence, widening (`engine`); the fuzz target's kept job files (`fuzz_inputs`); the
 //! embedded ledger's escrow, blocks and rewards (`ledger`); the engine settling through
-//! a real ledger (`settle`).
+//! a real ledger (`settle`); the confidential-execution gate (`confidential`).
 
+mod confidential;
 mod engine;
 mod fuzz_inputs;
 mod ledger;

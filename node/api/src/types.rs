@@ -104,6 +104,14 @@ pub struct Ad {
     /// The newest pass that covers the ad's claim, from any verifier but the node itself
     /// (this node's own checks included), ms since the epoch.
     pub newest_pass_at_ms: Option<u64>,
+    /// The confidential-execution evidence the ad carries, as shown to people (a `dev`
+    /// attestation always says it is insecure).
+    #[serde(default)]
+    pub attestation: Option<String>,
+    /// Whether that evidence verifies on this node, so that confidential jobs may go there;
+    /// if not, why.
+    #[serde(default)]
+    pub attestation_verdict: Option<Result<(), String>>,
 }
 
 /// One signed challenge pass in an ad.
@@ -146,6 +154,11 @@ impl From<&AdEntry> for Ad {
                 })
                 .collect(),
             newest_pass_at_ms: None,
+            attestation: ad
+                .attestation
+                .as_ref()
+                .map(|a| cannabis_market::attest::describe(a).to_string()),
+            attestation_verdict: None,
         }
     }
 }
@@ -280,6 +293,9 @@ pub struct TaskDetail {
     pub status: cannabis_market::job::TaskStatus,
     /// Workers the task needs at once.
     pub group_size: u32,
+    /// Whether it requires confidential execution (workers whose evidence verifies).
+    #[serde(default)]
+    pub confidential: bool,
     /// Its budget.
     pub budget: Amount,
     /// Committed to live leases.
@@ -454,6 +470,7 @@ impl JobDetail {
                     name: spec.name.clone(),
                     status: task.status().clone(),
                     group_size: spec.group_size,
+                    confidential: spec.requirements.confidential,
                     budget: task.budget(),
                     committed: task.committed(),
                     spent: task.spent(),

@@ -499,6 +499,12 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
             t.declines.len(),
             t.attempts
         )?;
+        if t.confidential {
+            out!(
+                "  requires confidential execution: placed only on workers whose evidence \
+                 verifies here (on a testnet, a dev attestation: INSECURE, it proves nothing)"
+            )?;
+        }
         for r in &t.ranks {
             let state = match r.state {
                 LeaseState::Offered => "awarded",

@@ -50,6 +50,14 @@ pub(super) fn run(command: MarketCommand, data_dir: &Path) -> anyhow::Result<()>
                     left(a.expires_at_ms),
                     challenged
                 )?;
+                if let Some(evidence) = &a.attestation {
+                    let verdict = match &a.attestation_verdict {
+                        Some(Ok(())) => "verifies here: confidential jobs may come".to_string(),
+                        Some(Err(why)) => format!("does not count here: {why}"),
+                        None => String::new(),
+                    };
+                    out!("  attestation {evidence}; {verdict}")?;
+                }
             }
             out!("{} ads", ads.len())?;
         }

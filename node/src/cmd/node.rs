@@ -8,7 +8,7 @@ use cannabis_api::ApiClient;
 use cannabis_node::keystore::{self, KeyPaths};
 use cannabis_node::logging::{self, LogFormat};
 use cannabis_node::{NodeConfig, api};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::cli::{NodeCommand, RunArgs};
 use crate::output::{self, out};
@@ -182,6 +182,7 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
         config.api = api;
     }
     if args.testnet {
+        config.testnet = true;
         config.gossip.ip_colocation_threshold = 10_000.0;
         config.limits.max_pending_per_ip = 10_000;
         // Many nodes starting on one machine handshake slowly.
@@ -198,6 +199,14 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
         config.ledger.sequence = true;
     }
     config.check()?;
+    config.check_attestation()?;
+    if config.attestation.is_some() {
+        warn!(
+            "this node's ads carry a {} attestation: confidential jobs of this testnet may \
+             come here, and nothing about them is protected",
+            cannabis_market::attest::DEV_INSECURE
+        );
+    }
 
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating the data directory {}", data_dir.display()))?;

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use cannabis_market::{
     Command as MarketCommand, GossipId, Heard, Input, Origin, Verdict, decode_gossip,
 };
-use cannabis_protocol::{AdapterKind, CapabilityAd, JobOffer, Signed};
+use cannabis_protocol::{AdapterKind, AttestationKind, CapabilityAd, JobOffer, Signed};
 use libp2p::gossipsub::{self, MessageAcceptance};
 use tracing::{debug, info, warn};
 
@@ -268,7 +268,13 @@ impl Node {
             isolation,
             network: probe.owner.network.clone(),
             prices: probe.owner.prices.clone(),
-            attestation: None,
+            attestation: match self.config.attestation {
+                // Checked at start: only on a testnet.
+                Some(AttestationKind::Dev) => {
+                    Some(cannabis_market::attest::dev_attestation(&self.address))
+                }
+                _ => None,
+            },
             challenges,
         };
         let signed = Signed::sign(&self.keys.signing, &ad);

@@ -2,6 +2,7 @@
 
 mod ads;
 mod cli;
+mod confidential;
 mod delivery;
 mod disk;
 mod exec;
