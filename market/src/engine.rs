@@ -704,6 +704,11 @@ pub enum Command {
         /// The machine, as the probe describes it.
         hardware: String,
     },
+    /// The workers with strikes on the ledger this node keeps, and how many each (all of
+    /// them: the map replaces the last one). Placement weighs a bid by its price times one
+    /// more than its worker's strikes (see [`crate::placement`]); bids held are weighed
+    /// again.
+    Strikes(BTreeMap<Address, u64>),
     /// The lock of a job's budget ([`Settle::Lock`]) is in a block (`refused: None`), or
     /// it was refused: the job's tasks fail.
     Locked {
@@ -860,6 +865,9 @@ pub struct Market {
     declined: BTreeMap<Uuid, BTreeSet<u32>>,
     /// When each node last passed a challenge this node set.
     local_passes: BTreeMap<Address, Timestamp>,
+    /// Workers' strikes on the ledger (disputes settled against them), which placement
+    /// weighs ([`Command::Strikes`]).
+    strikes: BTreeMap<Address, u64>,
     /// Passes other nodes signed for this one, by verifier.
     own_passes: BTreeMap<Address, (Signed<ChallengePass>, ChallengePass)>,
     /// Challenges this node answered lately: who set them, with which seed.
@@ -888,6 +896,7 @@ impl Market {
             bare: BTreeMap::new(),
             declined: BTreeMap::new(),
             local_passes: BTreeMap::new(),
+            strikes: BTreeMap::new(),
             own_passes: BTreeMap::new(),
             answered: VecDeque::new(),
             counters: BTreeMap::new(),
@@ -1104,6 +1113,15 @@ impl Market {
                 epoch,
                 verdict,
             } => self.product_checked(job, task, rank, epoch, verdict),
+            Command::Strikes(strikes) => {
+                for (id, job) in &mut self.jobs {
+                    if job.set_strikes(&strikes) {
+                        self.out.dirty(RecordKey::Job(*id));
+                    }
+                }
+                self.strikes = strikes;
+                Ok(CommandOk::Done)
+            }
             Command::Locked { job, refused } => {
                 let now = self.now;
                 let j = self.job_mut(job)?;
@@ -1427,6 +1445,16 @@ impl Market {
             local_passes: &self.local_passes,
             attestation: self.config.attestation,
         }
+    }
+
+    /// Every worker's strikes, as last told ([`Command::Strikes`]).
+    pub fn strikes(&self) -> &BTreeMap<Address, u64> {
+        &self.strikes
+    }
+
+    /// A worker's strikes, as last told ([`Command::Strikes`]).
+    pub fn strikes_of(&self, worker: &Address) -> u64 {
+        self.strikes.get(worker).copied().unwrap_or(0)
     }
 
     /// When each node last passed a challenge this node set.

@@ -714,6 +714,7 @@ impl Job {
         id: Digest,
         signature: SignatureBytes,
         class: Class,
+        strikes: u64,
         now: Timestamp,
     ) -> Result<Vec<Action>, Refusal> {
         self.admit_bid(&bid, now)?;
@@ -741,8 +742,27 @@ impl Job {
         }
         let (worker, price) = (bid.worker, bid.price);
         task.signatures.insert(worker, signature);
-        task.bids.insert(bid.worker, Candidate { bid, id, class });
-        self.log(now, Some(index), format!("bid {price} from {worker}"));
+        task.bids.insert(
+            bid.worker,
+            Candidate {
+                bid,
+                id,
+                class,
+                strikes,
+            },
+        );
+        let record = match strikes {
+            0 => String::new(),
+            n => format!(
+                " ({n} strikes: weighed as {})",
+                u128::from(price.0) * (u128::from(n) + 1)
+            ),
+        };
+        self.log(
+            now,
+            Some(index),
+            format!("bid {price} from {worker}{record}"),
+        );
         let mut actions = Vec::new();
         if self.tasks[index as usize].status == TaskStatus::Bidding
             && self.early_ready(index as usize, now)
@@ -750,6 +770,22 @@ impl Job {
             self.place(index as usize, now, &mut actions);
         }
         Ok(actions)
+    }
+
+    /// The workers' strikes changed (a block settled a dispute against one): the bids
+    /// held are weighed again. Whether any bid changed.
+    pub fn set_strikes(&mut self, strikes: &BTreeMap<Address, u64>) -> bool {
+        let mut changed = false;
+        for task in &mut self.tasks {
+            for c in task.bids.values_mut() {
+                let now = strikes.get(&c.bid.worker).copied().unwrap_or(0);
+                if c.strikes != now {
+                    c.strikes = now;
+                    changed = true;
+                }
+            }
+        }
+        changed
     }
 
     /// The checks a bid must pass before it is kept, cheapest first: for this job, this

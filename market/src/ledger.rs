@@ -317,6 +317,15 @@ impl Ledger {
         self.ratings.get(worker).copied().unwrap_or_default()
     }
 
+    /// The workers with strikes, and how many each (what placement weighs).
+    pub fn strikes(&self) -> BTreeMap<Address, u64> {
+        self.ratings
+            .iter()
+            .filter(|(_, r)| r.strikes > 0)
+            .map(|(a, r)| (*a, r.strikes))
+            .collect()
+    }
+
     /// What is left in the reward pool.
     pub fn pool(&self) -> Amount {
         self.pool

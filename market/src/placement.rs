@@ -6,6 +6,12 @@
 //! task names), the cheapest `k` of the cheapest class, ranks assigned in that order. Ties
 //! break on earliest start, then on the worker's address, so every node computes the same
 //! placement from the same bids.
+//!
+//! "Cheapest" weighs each worker's record: a bid counts at its price times one more than
+//! the worker's strikes on the ledger (disputes settled against it), so a worker caught
+//! once must bid under half of a clean worker's price to be chosen over it. The weight
+//! orders bids only: a chosen worker is paid its own price, and the budget is checked
+//! against the prices.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -71,6 +77,17 @@ pub struct Candidate {
     pub id: Digest,
     /// The worker's compatibility class for the task.
     pub class: Class,
+    /// The worker's strikes on the ledger when the bid was weighed.
+    #[serde(default)]
+    pub strikes: u64,
+}
+
+impl Candidate {
+    /// What placement ranks the bid by: its price times one more than its worker's
+    /// strikes.
+    pub fn weighed(&self) -> u128 {
+        u128::from(self.bid.price.0) * (u128::from(self.strikes) + 1)
+    }
 }
 
 /// One rank of a placement.
@@ -113,8 +130,8 @@ pub enum Infeasible {
 }
 
 fn order(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
-    (a.bid.price, a.bid.earliest_start, a.bid.worker).cmp(&(
-        b.bid.price,
+    (a.weighed(), a.bid.earliest_start, a.bid.worker).cmp(&(
+        b.weighed(),
         b.bid.earliest_start,
         b.bid.worker,
     ))
@@ -147,39 +164,49 @@ pub fn place<'a>(
     if by_class.is_empty() {
         return Err(Infeasible::NoBids);
     }
-    let mut best: Option<(Amount, Vec<&Candidate>)> = None;
+    // Per class, the `k` best by weight, and the `k` cheapest (which fit the budget when
+    // the best by weight do not); of the sets that fit, the best by weight wins.
+    let mut best: Option<(u128, Vec<&Candidate>)> = None;
+    let mut cheapest: Option<Amount> = None;
     let mut largest = 0;
     for workers in by_class.values() {
         largest = largest.max(workers.len());
         if workers.len() < k {
             continue;
         }
-        let mut sorted: Vec<&Candidate> = workers.values().copied().collect();
-        sorted.sort_by(|a, b| order(a, b));
-        sorted.truncate(k);
-        let Ok(total) = Amount::sum(sorted.iter().map(|c| &c.bid.price)) else {
-            continue;
-        };
-        let better = match &best {
-            None => true,
-            Some((t, chosen)) => (total, key(&sorted)) < (*t, key(chosen)),
-        };
-        if better {
-            best = Some((total, sorted));
+        let mut by_weight: Vec<&Candidate> = workers.values().copied().collect();
+        let mut by_price = by_weight.clone();
+        by_weight.sort_by(|a, b| order(a, b));
+        by_weight.truncate(k);
+        by_price.sort_by_key(|c| (c.bid.price, c.bid.earliest_start, c.bid.worker));
+        by_price.truncate(k);
+        for set in [by_weight, by_price] {
+            let Ok(total) = Amount::sum(set.iter().map(|c| &c.bid.price)) else {
+                continue;
+            };
+            cheapest = Some(cheapest.map_or(total, |c| c.min(total)));
+            if total > left {
+                continue;
+            }
+            let weighed: u128 = set.iter().map(|c| c.weighed()).sum();
+            let better = match &best {
+                None => true,
+                Some((w, chosen)) => (weighed, key(&set)) < (*w, key(chosen)),
+            };
+            if better {
+                best = Some((weighed, set));
+            }
         }
     }
-    let Some((total, chosen)) = best else {
-        return Err(Infeasible::TooFewCompatible {
-            needed: k as u32,
-            largest,
+    let Some((_, chosen)) = best else {
+        return Err(match cheapest {
+            Some(cheapest) => Infeasible::OverBudget { cheapest, left },
+            None => Infeasible::TooFewCompatible {
+                needed: k as u32,
+                largest,
+            },
         });
     };
-    if total > left {
-        return Err(Infeasible::OverBudget {
-            cheapest: total,
-            left,
-        });
-    }
     Ok(chosen
         .into_iter()
         .enumerate()
@@ -228,7 +255,54 @@ mod tests {
             id: message_id(&bid),
             bid,
             class: Class::of(task, &testkit::ad(worker, machine, NOW)),
+            strikes: 0,
         }
+    }
+
+    #[test]
+    fn a_struck_worker_must_bid_under_half_to_be_chosen_and_is_paid_its_own_price() {
+        let task = testkit::task("t", 1, 0, 0, 1, 1000);
+        let m = Machine::default();
+        let struck = |price| Candidate {
+            strikes: 1,
+            ..candidate(1, price, &m, &task)
+        };
+        let clean = candidate(2, 100, &m, &task);
+        let chosen = |cs: &[Candidate], left| {
+            place(&task, cs, &BTreeSet::new(), Amount(left), NOW).map(|s| (s[0].worker, s[0].price))
+        };
+        // At 60 against 100 it would win on price; its strike makes it count 120.
+        assert_eq!(
+            chosen(&[struck(60), clean.clone()], 1000),
+            Ok((clean.bid.worker, Amount(100)))
+        );
+        // Under half, it wins, and is paid its own price.
+        let cheap = struck(49);
+        assert_eq!(
+            chosen(&[cheap.clone(), clean.clone()], 1000),
+            Ok((cheap.bid.worker, Amount(49)))
+        );
+        // When the budget holds only its price, it is placed rather than nothing.
+        assert_eq!(
+            chosen(&[struck(60), clean.clone()], 80),
+            Ok((cheap.bid.worker, Amount(60)))
+        );
+        // Two strikes: a third of the price.
+        let twice = Candidate {
+            strikes: 2,
+            ..candidate(1, 34, &m, &task)
+        };
+        assert_eq!(
+            chosen(&[twice, clean.clone()], 1000),
+            Ok((clean.bid.worker, Amount(100)))
+        );
+        assert_eq!(
+            chosen(&[struck(150), clean], 90),
+            Err(Infeasible::OverBudget {
+                cheapest: Amount(100),
+                left: Amount(90)
+            })
+        );
     }
 
     #[test]

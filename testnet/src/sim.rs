@@ -922,6 +922,7 @@ impl Sim {
                         id: message_id(&bid),
                         class: Class::of(spec, &ad.body),
                         bid,
+                        strikes: 0,
                     }),
                     _ => None,
                 }
@@ -1275,6 +1276,7 @@ pub fn placement_figures(ads: usize, reps: usize) -> PlacementFigures {
                     id: message_id(&bid),
                     class: Class::of(&task, ad),
                     bid,
+                    strikes: 0,
                 }),
                 _ => None,
             }

@@ -372,11 +372,12 @@ impl Market {
         let class = Class::of(spec, ad);
         let (job_id, task, worker, price) = (bid.job_id, bid.task, bid.worker, bid.price);
         let signature = *r.signature();
+        let strikes = self.strikes_of(&worker);
         let actions = self
             .jobs
             .get_mut(&job_id)
             .ok_or(Refusal::UnknownJob(job_id))?
-            .on_bid(r.body, r.id, signature, class, now)?;
+            .on_bid(r.body, r.id, signature, class, strikes, now)?;
         self.event(MarketEvent::BidTaken {
             job: job_id,
             task,

@@ -2,6 +2,7 @@
 //! that bids without being drawn is refused and penalized, early placement, widening a
 //! call that drew too few bids, and the fence (nothing commits before it is durable).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cannabis_market::fanin::{self, FaninConfig};
@@ -903,4 +904,58 @@ fn a_stale_epochs_attempt_delivers_nothing() {
     net.tick(end);
     net.settle(end);
     assert!(net.nodes[0].fetches.is_empty());
+}
+
+/// Strikes on the ledger weigh in placement: a struck worker's bid counts at its price
+/// times one more than its strikes, whether the strike was known before the bid or comes
+/// while the bid is held; a clean worker's dearer bid wins.
+#[test]
+fn a_struck_worker_is_passed_over_for_a_clean_one_unless_it_bids_under_half() {
+    for told_before in [true, false] {
+        let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+        let nodes = (0..=2)
+            .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+            .collect();
+        let mut net = network(nodes, |i| Machine {
+            cpu_core_hour: [0, 10, 15][i as usize],
+            ..Machine::default()
+        });
+        let (cheap, clean) = (net.nodes[1].address(), net.nodes[2].address());
+        let strike = Command::Strikes([(cheap, 1)].into());
+        if told_before {
+            net.nodes[0].market.command(T0, strike.clone()).unwrap();
+        }
+        let job = submit(
+            &mut net,
+            testkit::template(vec![task], WINDOW, 3_600_000),
+            [9; 16],
+        );
+        net.settle(T0);
+        if !told_before {
+            net.nodes[0].market.command(T0, strike).unwrap();
+        }
+        let prices: BTreeMap<Address, Amount> = net.nodes[0].market.job(&job).unwrap().tasks()[0]
+            .bids()
+            .map(|c| (c.bid.worker, c.bid.price))
+            .collect();
+        assert!(prices[&cheap] < prices[&clean], "{prices:?}");
+        assert!(prices[&clean].0 < 2 * prices[&cheap].0, "{prices:?}");
+        let end = T0.plus_ms(WINDOW);
+        net.tick(end);
+        net.settle(end);
+        let j = net.nodes[0].market.job(&job).unwrap();
+        let rank = &j.tasks()[0].ranks()[0];
+        assert_eq!(rank.worker, clean, "{:#?}", j.history());
+        assert_eq!(rank.price, prices[&clean]);
+        assert_eq!(net.nodes[0].market.strikes_of(&cheap), 1);
+        if told_before {
+            assert!(
+                j.history()
+                    .iter()
+                    .any(|e| e.text.contains("(1 strikes: weighed as")),
+                "{:#?}",
+                j.history()
+            );
+        }
+    }
 }

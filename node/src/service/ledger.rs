@@ -276,6 +276,7 @@ impl Node {
         // An escrow timeout due (or past) while the sequencer was stopped gets its block.
         chain.schedule();
         self.chain = Some(chain);
+        self.tell_strikes();
         Ok(())
     }
 
@@ -287,7 +288,10 @@ impl Node {
         };
         let genesis = chain.ledger.genesis().clone();
         match Chain::open(genesis, chain.sequencing, &self.address, &self.store) {
-            Ok(c) => self.chain = Some(c),
+            Ok(c) => {
+                self.chain = Some(c);
+                self.tell_strikes();
+            }
             Err(e) => {
                 warn!(error = %format!("{e:#}"), "the ledger could not be opened again from the store")
             }

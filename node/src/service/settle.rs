@@ -164,9 +164,25 @@ impl Node {
         self.settle_due();
     }
 
+    /// Tells the engine the workers' strikes when a block changed them, so that
+    /// placement weighs them.
+    pub(super) fn tell_strikes(&mut self) {
+        let Some(chain) = self.chain.as_ref() else {
+            return;
+        };
+        let strikes = chain.ledger().strikes();
+        if strikes != *self.market.strikes() {
+            let _ = self
+                .market
+                .command(now().0, MarketCommand::Strikes(strikes));
+            self.drain();
+        }
+    }
+
     /// Sends what applies now, lets go of what is done, and tells the engine how its
-    /// locks went. After each block and at upkeep.
+    /// locks went (and the workers' strikes). After each block and at upkeep.
     pub(super) fn settle_due(&mut self) {
+        self.tell_strikes();
         let me = self.address;
         let Some(chain) = self.chain.as_mut() else {
             return;

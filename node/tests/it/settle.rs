@@ -229,7 +229,7 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("escrow: 300000 locked, closed"), "{text}");
 
-    // 2, 3, 4 together: a delivery nobody judges, one disputed, one past its deadline.
+    // 2, 3, 4: a delivery nobody judges, one disputed, one past its deadline.
     let silent = submit(
         requester,
         &work,
@@ -241,13 +241,6 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
         &work,
         "disputed",
         &job_file("disputed", "8s", "5m", 64),
-    );
-    // A product of 4096 runs for many seconds on one core: past an 8 s deadline.
-    let late = submit(
-        requester,
-        &work,
-        "late",
-        &job_file("late", "1m", "8s", 4096),
     );
 
     // The requester goes quiet: the worker is paid when the window ends.
@@ -324,6 +317,43 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
         .balance(Some(&a.worker.to_string()))
         .unwrap();
     assert!(rating.strikes >= 1, "{rating:?}");
+    // Placement weighs the strike: the next job goes to a clean worker although the struck
+    // one bids less (a strike doubles a bid's weight).
+    let struck = a.worker.to_string();
+    let next = submit(
+        requester,
+        &work,
+        "after-strike",
+        &job_file("after-strike", "10m", "5m", 64),
+    );
+    let j = wait_job(requester, &next, 60, "the next placement", |j| {
+        !j.tasks[0].ranks.is_empty()
+    });
+    let bids = &j.tasks[0].bids;
+    let price_of = |w: &str| bids.iter().find(|(b, _)| b == w).map(|(_, p)| p.0);
+    let struck_bid = price_of(&struck).expect("the struck worker bid again");
+    let chosen = j.tasks[0].ranks[0].worker.to_string();
+    assert_ne!(chosen, struck, "bids {bids:?}");
+    assert!(
+        struck_bid < price_of(&chosen).unwrap(),
+        "the struck worker was not the cheaper: {bids:?}"
+    );
+    assert!(
+        j.history
+            .iter()
+            .any(|e| e.text.contains("strikes: weighed as")),
+        "{:#?}",
+        j.history
+    );
+    // (Published after the strike's check: its cancel may race the escrow's own timeout
+    // and be dropped, and a dropped transaction holds the node's next ones for a minute.)
+    // A product of 4096 runs for many seconds on one core: past an 8 s deadline.
+    let late = submit(
+        requester,
+        &work,
+        "late",
+        &job_file("late", "1m", "8s", 4096),
+    );
     // Only the resolver may: the requester's own keys are refused.
     let o = cannabis(
         requester,
