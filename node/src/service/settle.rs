@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use cannabis_market::ledger::{Escrow, Ledger, Stage};
 use cannabis_market::{Command as MarketCommand, Settle};
-use cannabis_protocol::{Address, Amount, Uuid};
+use cannabis_protocol::{Address, Amount, Timestamp, Uuid};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
@@ -43,7 +43,7 @@ enum Ready {
 }
 
 /// Where `order` stands against `ledger`, for a node with address `me`.
-fn ready(ledger: &Ledger, me: &Address, order: &Settle) -> Ready {
+fn ready(ledger: &Ledger, me: &Address, order: &Settle, now: Timestamp) -> Ready {
     let e: &Escrow = match (order, ledger.escrow(&order.job())) {
         (Settle::Lock(_), None) => return Ready::Now,
         (Settle::Lock(_), Some(e)) if e.requester == *me => return Ready::Over(Ok(())),
@@ -98,6 +98,10 @@ fn ready(ledger: &Ledger, me: &Address, order: &Settle) -> Ready {
             }
         }
         Settle::Cancel(_) if e.cancelled => Ready::Over(Ok(())),
+        // Past the deadline the escrow's own timeout expires what is undelivered and
+        // refunds it at the next block: a cancel would race it, and one the sequencer
+        // drops would hold this node's next transactions behind its unused nonce.
+        Settle::Cancel(_) if now >= e.deadline => Ready::Over(Ok(())),
         Settle::Cancel(_) => Ready::Now,
     }
 }
@@ -196,7 +200,7 @@ impl Node {
         let mut keep = Vec::with_capacity(orders.len());
         for mut o in orders {
             let is_lock = matches!(o.settle, Settle::Lock(_));
-            match ready(chain.ledger(), &me, &o.settle) {
+            match ready(chain.ledger(), &me, &o.settle, now().0) {
                 Ready::Over(result) => {
                     match &result {
                         Ok(()) => {

@@ -229,7 +229,7 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("escrow: 300000 locked, closed"), "{text}");
 
-    // 2, 3, 4: a delivery nobody judges, one disputed, one past its deadline.
+    // 2, 3, 4 together: a delivery nobody judges, one disputed, one past its deadline.
     let silent = submit(
         requester,
         &work,
@@ -241,6 +241,17 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
         &work,
         "disputed",
         &job_file("disputed", "8s", "5m", 64),
+    );
+
+    // A product of 4096 runs for many seconds on one core: past an 8 s deadline. (Its
+    // cancel at the deadline is not sent: the escrow's own timeout refunds it, and a
+    // cancel racing that timeout would be dropped and hold the requester's next
+    // transactions, such as the lock of the job after the strike below.)
+    let late = submit(
+        requester,
+        &work,
+        "late",
+        &job_file("late", "1m", "8s", 4096),
     );
 
     // The requester goes quiet: the worker is paid when the window ends.
@@ -345,15 +356,9 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
         "{:#?}",
         j.history
     );
-    // (Published after the strike's check: its cancel may race the escrow's own timeout
-    // and be dropped, and a dropped transaction holds the node's next ones for a minute.)
-    // A product of 4096 runs for many seconds on one core: past an 8 s deadline.
-    let late = submit(
-        requester,
-        &work,
-        "late",
-        &job_file("late", "1m", "8s", 4096),
-    );
+    wait_job(requester, &next, 60, "the next job's delivery", |j| {
+        j.summary.state == JobState::Completed
+    });
     // Only the resolver may: the requester's own keys are refused.
     let o = cannabis(
         requester,
@@ -458,8 +463,9 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
             && t.declines
                 .iter()
                 .all(|(_, why)| why.contains("fee terms") && why.contains(pocket)),
-        "{:?}",
-        t.declines
+        "{:?} {:#?}",
+        t.declines,
+        j.history
     );
     drop(net);
 }
