@@ -718,7 +718,19 @@ fn round_trip(
     fds: &[RawFd],
     bytes: Option<&mut Vec<u8>>,
 ) -> io::Result<Reply> {
-    write_frame(stream, body, fds)?;
+    if let Err(sent) = write_frame(stream, body, fds) {
+        // A supervisor that refuses the caller answers at once and closes: a request
+        // written after that fails, and the answer waiting in the socket says why.
+        if !matches!(
+            sent.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        ) {
+            return Err(sent);
+        }
+        let (reply, _) = read_frame(stream).map_err(|_| sent)?;
+        return serde_json::from_slice(&reply)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+    }
     let (reply, _) = read_frame(stream)?;
     let reply: Reply = serde_json::from_slice(&reply)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
@@ -884,5 +896,25 @@ impl SupervisorClient {
             },
             &fds,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A supervisor that refuses a caller answers and closes before the request is
+    /// written; the caller gets that answer, not the broken pipe.
+    #[test]
+    fn a_refusal_sent_before_the_request_is_read_reaches_the_caller() {
+        let (client, server) = UnixStream::pair().unwrap();
+        let refused = WireError::new(ErrorKind::NotAllowed, "uid 7 may not use this supervisor");
+        reply(&server, Err(refused)).unwrap();
+        drop(server);
+        let answer = round_trip(&client, br#"{"op":"status"}"#, &[], None).unwrap();
+        match answer {
+            Reply::Err(e) => assert!(e.message.contains("may not use"), "{e:?}"),
+            Reply::Ok(v) => panic!("refused, yet {v}"),
+        }
     }
 }

@@ -464,7 +464,8 @@ fn the_node_cannot_raise_a_ceiling_and_no_other_user_can_use_the_socket() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("may not use this supervisor"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("may not use this supervisor"), "{err}");
 
     // No operation touches the ceilings: one that names them is not a request.
     use std::io::{Read as _, Write as _};
