@@ -481,10 +481,31 @@ pub enum Output {
     /// [`Command::ProductChecked`]. Comes once the rank is done, and again after a restart
     /// until a verdict is kept.
     CheckProduct(ProductCheck),
+    /// Evaluate what a job delivered against its offer's evaluation terms: check the
+    /// artifacts, run the evaluator in the sandbox on the delivered outputs and the
+    /// held-out data, sign the report, then give back [`Command::Evaluated`]. Comes once
+    /// every task delivered (and on [`Command::Evaluate`]), and again after a restart
+    /// until the run's report is kept.
+    Evaluate(Box<EvaluationOrder>),
     /// Ask settlement for this (sign it as a transaction of this node's and submit it
     /// once the ledger's state lets it apply). Fenced: it comes once the job or lease
     /// behind it is durable. A lock is answered with [`Command::Locked`].
     Settle(Settle),
+}
+
+/// A job's deliveries to evaluate ([`Output::Evaluate`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvaluationOrder {
+    /// The job.
+    pub job: Uuid,
+    /// The run: the same run asked again (after a restart) is the same evaluation.
+    pub run: u32,
+    /// The terms, as the offer pinned them.
+    pub terms: cannabis_protocol::EvaluationTerms,
+    /// The metrics the report judges.
+    pub acceptance: Vec<cannabis_protocol::AcceptanceMetric>,
+    /// Every delivered rank, with what its signed manifest says it delivered.
+    pub deliveries: Vec<(cannabis_protocol::EvaluatedDelivery, Vec<OutputDigest>)>,
 }
 
 /// A delivered synthetic product to check ([`Output::CheckProduct`]).
@@ -678,6 +699,20 @@ pub enum Command {
         /// The verdict.
         verdict: ProductVerdict,
     },
+    /// Evaluate a delivered job again, by hand ([`Output::Evaluate`] with a new run).
+    Evaluate(Uuid),
+    /// The signed report of an evaluation run ([`Output::Evaluate`]): a pass accepts every
+    /// delivery (or waits for the requester's confirmation when the terms say so); a
+    /// failure, or an evaluation that could not be made, disputes them with the report as
+    /// evidence. A report of a run no longer asked changes nothing.
+    Evaluated {
+        /// The job.
+        job: Uuid,
+        /// The run.
+        run: u32,
+        /// The requester's signed report.
+        report: Box<Signed<cannabis_protocol::Evaluation>>,
+    },
     /// The executor's attempt for a lease this node holds changed stage: the requester is
     /// told (only while the lease is current at that epoch).
     Ran {
@@ -823,6 +858,15 @@ pub enum CommandError {
     /// No rank of the job has delivered.
     #[error("job {0} has no delivery to settle yet")]
     NothingDelivered(Uuid),
+    /// The job's offer names no evaluation.
+    #[error("job {0} has no evaluation terms (its job file has no [evaluation])")]
+    NoEvaluation(Uuid),
+    /// An evaluation report not signed by this node, or not of its job.
+    #[error("an evaluation report not taken: {0}")]
+    BadReport(String),
+    /// The job has not delivered everything yet.
+    #[error("job {0} is evaluated once every task delivered")]
+    NotDelivered(Uuid),
     /// A part outside 0..=100%.
     #[error("a part of {0} ppm is not between 0 and 1,000,000")]
     BadPart(u32),
@@ -973,6 +1017,12 @@ impl Market {
                         // Products delivered but not yet checked are checked.
                         for check in requester::product_checks_due(&job) {
                             m.out.fenced(Output::CheckProduct(check));
+                        }
+                        // An evaluation asked and not answered is asked again.
+                        if let Some(run) = job.evaluation_running()
+                            && let Some(order) = requester::evaluation_order(&job, run)
+                        {
+                            m.out.fenced(Output::Evaluate(Box::new(order)));
                         }
                         // A lock asked for before a restart is asked for again (settlement
                         // answers at once if it is in a block already).
@@ -1129,6 +1179,8 @@ impl Market {
                 self.job_changed(job, actions);
                 Ok(CommandOk::Done)
             }
+            Command::Evaluate(job) => self.evaluate(job, true).map(|_| CommandOk::Done),
+            Command::Evaluated { job, run, report } => self.evaluated(job, run, *report),
             Command::Accept { job, part_ppm } => self.settle_delivered(job, Some(part_ppm), None),
             Command::Dispute { job, reason } => self.settle_delivered(job, None, Some(reason)),
             Command::RankFailed {

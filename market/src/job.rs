@@ -28,9 +28,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use cannabis_protocol::{
-    Address, Amount, Award, Bid, Cancel, Decline, DeliveryManifest, Digest, JobOffer, LeaseAccept,
-    LeaseRenewal, MoneyError, NamedDigest, PublicKeyBytes, Received, Rendezvous, RosterEntry,
-    RunReport, RunStage, SignatureBytes, Signed, TaskInput, Timestamp, Uuid, message_id,
+    Address, Amount, Award, Bid, Cancel, Decline, DeliveryManifest, Digest, Evaluation,
+    EvaluationOutcome, JobOffer, LeaseAccept, LeaseRenewal, MoneyError, NamedDigest,
+    PublicKeyBytes, Received, Rendezvous, RosterEntry, RunReport, RunStage, SignatureBytes, Signed,
+    TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -472,6 +473,40 @@ pub struct Job {
     /// Where the budget stands with settlement.
     #[serde(default)]
     escrow: Escrowed,
+    /// Where the requester's evaluation of the deliveries stands (for an offer with
+    /// evaluation terms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    evaluation: Option<Evaluating>,
+}
+
+/// Where a job's evaluation stands.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Evaluating {
+    /// Asked of the node and not answered yet; `run` counts the runs asked (each one by
+    /// hand is a new run).
+    Running {
+        /// The run.
+        run: u32,
+        /// When it was asked.
+        since: Timestamp,
+    },
+    /// The node's signed report of a run.
+    Done {
+        /// The run.
+        run: u32,
+        /// The signed report.
+        report: Box<Signed<Evaluation>>,
+    },
+}
+
+impl Evaluating {
+    /// The run asked last.
+    pub fn run(&self) -> u32 {
+        match self {
+            Self::Running { run, .. } | Self::Done { run, .. } => *run,
+        }
+    }
 }
 
 /// How long after an early-placed job's offer (or a widened version of it) is published
@@ -569,6 +604,7 @@ impl Job {
             history_dropped: 0,
             early_look_at: None,
             escrow: Escrowed::Unsettled,
+            evaluation: None,
         };
         job.early_look_at = job.early_look_after(now);
         job.log(now, None, "offer published; taking bids".into());
@@ -615,6 +651,68 @@ impl Job {
             }
         }
         actions
+    }
+
+    /// Where the evaluation stands, for an offer with evaluation terms.
+    pub fn evaluation(&self) -> Option<&Evaluating> {
+        self.evaluation.as_ref()
+    }
+
+    /// Starts an evaluation run of what the job delivered and returns its number: when
+    /// the offer has evaluation terms and every task delivered, and (unless `by_hand`)
+    /// none was started before. A run by hand starts a new one whatever came before.
+    pub fn start_evaluation(&mut self, by_hand: bool, now: Timestamp) -> Option<u32> {
+        self.offer.evaluation.as_ref()?;
+        if self.state() != JobState::Completed || (!by_hand && self.evaluation.is_some()) {
+            return None;
+        }
+        let run = self.evaluation.as_ref().map_or(1, |e| e.run() + 1);
+        self.evaluation = Some(Evaluating::Running { run, since: now });
+        self.log(now, None, format!("evaluating the deliveries (run {run})"));
+        Some(run)
+    }
+
+    /// The run being evaluated, if one is.
+    pub fn evaluation_running(&self) -> Option<u32> {
+        match self.evaluation {
+            Some(Evaluating::Running { run, .. }) => Some(run),
+            _ => None,
+        }
+    }
+
+    /// The report of evaluation run `run`. `false` (and nothing changes) when that is not
+    /// the run in progress.
+    pub fn on_evaluated(
+        &mut self,
+        run: u32,
+        report: Signed<Evaluation>,
+        body: &Evaluation,
+        now: Timestamp,
+    ) -> bool {
+        if self.evaluation_running() != Some(run) {
+            return false;
+        }
+        let verdict = match body.outcome {
+            EvaluationOutcome::Passed => "passed".to_string(),
+            EvaluationOutcome::Failed => format!("failed: {}", body.reason),
+            EvaluationOutcome::NotEvaluated => format!("could not evaluate: {}", body.reason),
+        };
+        let measured: Vec<String> = body
+            .metrics
+            .iter()
+            .map(|m| format!("{} {}", m.name, m.value))
+            .collect();
+        let text = if measured.is_empty() {
+            format!("evaluation run {run} {verdict}")
+        } else {
+            format!("evaluation run {run} {verdict} ({})", measured.join(", "))
+        };
+        self.log(now, None, text);
+        self.evaluation = Some(Evaluating::Done {
+            run,
+            report: Box::new(report),
+        });
+        true
     }
 
     /// Adds a line to the job's history.

@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 
 use cannabis_protocol::{
-    AcceptanceMetric, AdapterKind, Address, Amount, Collective, Comparison, Digest, Fixed,
-    GpuVendor, InputRef, IsolationLayer, OutputDecl, OutputRights, Requirements, Resources,
-    RuntimeRequirement, TaskInput, TaskSpec, Uuid, Workload, is_safe_name,
+    AcceptanceMetric, AdapterKind, Address, Amount, ArtifactCheck, ArtifactFormat, Collective,
+    Comparison, Digest, EvaluationLimits, EvaluationTerms, Fixed, GpuVendor, InputRef,
+    IsolationLayer, NamedDigest, OutputDecl, OutputRights, Requirements, Resources,
+    RuntimeRequirement, Setting, TaskInput, TaskSpec, TensorCheck, Uuid, Workload, is_safe_name,
 };
 use serde::{Deserialize, Serialize};
 
@@ -75,6 +76,9 @@ pub struct OfferTemplate {
     /// Acceptance metrics.
     #[serde(default)]
     pub acceptance: Vec<AcceptanceMetric>,
+    /// How the requester's node evaluates deliveries against the acceptance metrics.
+    #[serde(default)]
+    pub evaluation: Option<EvaluationTerms>,
     /// Place before the bid window ends, as soon as this is met (kept by the requester's
     /// node, not published).
     #[serde(default)]
@@ -96,6 +100,8 @@ pub struct JobSpec {
     pub review_window_ms: u64,
     /// Acceptance metrics.
     pub acceptance: Vec<AcceptanceMetric>,
+    /// The evaluation terms, with their sources still to resolve.
+    pub evaluation: Option<EvaluationDraft>,
     /// Place before the bid window ends, as soon as this is met.
     pub early: Option<crate::job::Early>,
     /// The tasks, with their sources still to resolve.
@@ -113,6 +119,68 @@ pub struct TaskDraft {
     pub inputs: Vec<(usize, Source)>,
 }
 
+/// The evaluation terms of a [`JobSpec`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvaluationDraft {
+    /// The terms with every digest already known; the sources below fill the rest.
+    pub terms: EvaluationTerms,
+    /// Where the evaluator's bundle comes from.
+    pub bundle: Source,
+    /// For each held-out file (by position in `terms.held_out`), where it comes from.
+    pub held_out: Vec<Source>,
+}
+
+/// Default wall time of an evaluator.
+pub const DEFAULT_EVALUATION_TIMEOUT_MS: u64 = 10 * 60 * 1000;
+/// Default memory of an evaluator.
+pub const DEFAULT_EVALUATION_MEMORY: u64 = 1 << 30;
+/// Default bytes an evaluator is given.
+pub const DEFAULT_EVALUATION_INPUT: u64 = 4 << 30;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEvaluation {
+    #[serde(default)]
+    bundle: Option<String>,
+    #[serde(default)]
+    digest: Option<String>,
+    #[serde(default)]
+    entrypoint: Vec<String>,
+    #[serde(default)]
+    timeout: Option<String>,
+    #[serde(default)]
+    memory: Option<String>,
+    #[serde(default)]
+    max_input: Option<String>,
+    #[serde(default)]
+    confirm: bool,
+    #[serde(default)]
+    configuration: BTreeMap<String, toml::Value>,
+    #[serde(default)]
+    held_out: Vec<RawInput>,
+    #[serde(default, rename = "artifact")]
+    artifacts: Vec<RawArtifact>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawArtifact {
+    output: String,
+    #[serde(default)]
+    format: Option<ArtifactFormat>,
+    max_size: String,
+    #[serde(default)]
+    tensors: Vec<RawTensor>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTensor {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawJob {
@@ -126,6 +194,8 @@ struct RawJob {
     review_window: Option<String>,
     #[serde(default)]
     acceptance: Vec<RawMetric>,
+    #[serde(default)]
+    evaluation: Option<RawEvaluation>,
     #[serde(default)]
     early: Option<RawEarly>,
     #[serde(default, rename = "task")]
@@ -149,6 +219,12 @@ struct RawMetric {
     at_least: Option<f64>,
     #[serde(default)]
     at_most: Option<f64>,
+    #[serde(default)]
+    baseline: Option<f64>,
+    #[serde(default)]
+    above_baseline: Option<f64>,
+    #[serde(default)]
+    below_baseline: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -330,7 +406,18 @@ impl JobSpec {
             .iter()
             .enumerate()
             .map(|(i, m)| check_metric(i, m))
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<Vec<_>, _>>()?;
+        let evaluation = match &raw.evaluation {
+            Some(e) => Some(check_evaluation(e, &tasks)?),
+            None if !acceptance.is_empty() => {
+                return Err(err(
+                    "acceptance",
+                    "nothing measures these metrics: add an [evaluation] with the evaluator \
+                     that reports them",
+                ));
+            }
+            None => None,
+        };
         let early = match raw.early {
             None => None,
             Some(RawEarly {
@@ -356,6 +443,7 @@ impl JobSpec {
             bid_window_ms,
             review_window_ms,
             acceptance,
+            evaluation,
             tasks,
         })
     }
@@ -388,6 +476,23 @@ impl JobSpec {
             }
             tasks.push(task);
         }
+        let evaluation = match &self.evaluation {
+            None => None,
+            Some(draft) => {
+                let mut terms = draft.terms.clone();
+                if let Source::Path(p) = &draft.bundle {
+                    terms.evaluator = hash(p).map_err(|e| ("evaluation.bundle".into(), e))?.0;
+                }
+                for (i, source) in draft.held_out.iter().enumerate() {
+                    if let Source::Path(p) = source {
+                        terms.held_out[i].digest = hash(p)
+                            .map_err(|e| (format!("evaluation.held_out[{i}].path"), e))?
+                            .0;
+                    }
+                }
+                Some(terms)
+            }
+        };
         Ok(OfferTemplate {
             name: Some(self.name.clone()),
             nonce: None,
@@ -396,6 +501,7 @@ impl JobSpec {
             deadline_ms: self.deadline_ms,
             review_window_ms: self.review_window_ms,
             acceptance: self.acceptance.clone(),
+            evaluation,
             early: self.early,
         })
     }
@@ -403,20 +509,39 @@ impl JobSpec {
 
 fn check_metric(i: usize, m: &RawMetric) -> Result<AcceptanceMetric, SpecError> {
     let field = format!("acceptance[{i}]");
-    let (comparison, value) = match (m.at_least, m.at_most) {
-        (Some(v), None) => (Comparison::AtLeast, v),
-        (None, Some(v)) => (Comparison::AtMost, v),
+    let (comparison, value, baseline) = match (
+        m.at_least,
+        m.at_most,
+        m.baseline,
+        m.above_baseline,
+        m.below_baseline,
+    ) {
+        (Some(v), None, None, None, None) => (Comparison::AtLeast, v, None),
+        (None, Some(v), None, None, None) => (Comparison::AtMost, v, None),
+        (None, None, Some(b), Some(v), None) => (Comparison::AtLeast, v, Some(b)),
+        (None, None, Some(b), None, Some(v)) => (Comparison::AtMost, v, Some(b)),
         _ => {
             return Err(err(
                 field,
-                "give exactly one of at_least = N or at_most = N",
+                "give exactly one of at_least = N, at_most = N, or baseline = B with one of \
+                 above_baseline = D or below_baseline = D",
             ));
         }
     };
-    let scaled = value * Fixed::SCALE as f64;
-    if !scaled.is_finite() || scaled.abs() > 9.0e15 {
-        return Err(err(field, "threshold out of range"));
+    if baseline.is_some() && value < 0.0 {
+        return Err(err(
+            field,
+            "the improvement on the baseline cannot be negative",
+        ));
     }
+    let fixed = |v: f64| {
+        let scaled = v * Fixed::SCALE as f64;
+        if !scaled.is_finite() || scaled.abs() > 9.0e15 {
+            return Err(err(field.clone(), "threshold out of range"));
+        }
+        // Rounded to the six decimals a signed threshold holds.
+        Ok(Fixed(scaled.round() as i64))
+    };
     if m.metric.is_empty() {
         return Err(err(
             format!("{field}.metric"),
@@ -426,8 +551,144 @@ fn check_metric(i: usize, m: &RawMetric) -> Result<AcceptanceMetric, SpecError> 
     Ok(AcceptanceMetric {
         name: m.metric.clone(),
         comparison,
-        // Rounded to the six decimals a signed threshold holds.
-        threshold: Fixed(scaled.round() as i64),
+        threshold: fixed(value)?,
+        baseline: baseline.map(fixed).transpose()?,
+    })
+}
+
+fn check_evaluation(e: &RawEvaluation, tasks: &[TaskDraft]) -> Result<EvaluationDraft, SpecError> {
+    let f = |s: &str| format!("evaluation.{s}");
+    let bundle = match (&e.digest, &e.bundle) {
+        (Some(d), None) => Source::Digest {
+            digest: parse_digest(&f("digest"), d)?,
+            size_bytes: 0,
+        },
+        (None, Some(p)) => Source::Path(p.clone()),
+        _ => {
+            return Err(err(
+                "evaluation",
+                "give exactly one of digest = \"<sha256>\" or bundle = \"path/to/evaluator.tar\"",
+            ));
+        }
+    };
+    if e.entrypoint.is_empty() {
+        return Err(err(
+            f("entrypoint"),
+            "name the evaluator's command, e.g. [\"python3\", \"evaluate.py\"]",
+        ));
+    }
+    let wall_ms = match &e.timeout {
+        Some(v) => parse_duration_ms(v).map_err(|x| err(f("timeout"), x.to_string()))?,
+        None => DEFAULT_EVALUATION_TIMEOUT_MS,
+    };
+    if wall_ms == 0 {
+        return Err(err(f("timeout"), "must be longer than 0 (e.g. \"5m\")"));
+    }
+    let memory_bytes = size_field(&f("memory"), &e.memory, DEFAULT_EVALUATION_MEMORY)?;
+    if memory_bytes < 16 << 20 {
+        return Err(err(f("memory"), "give the evaluator at least 16MiB"));
+    }
+    let max_input_bytes = size_field(&f("max_input"), &e.max_input, DEFAULT_EVALUATION_INPUT)?;
+    let mut held_out = Vec::with_capacity(e.held_out.len());
+    let mut sources = Vec::with_capacity(e.held_out.len());
+    for (i, h) in e.held_out.iter().enumerate() {
+        let field = f(&format!("held_out[{i}]"));
+        let source = match (&h.path, &h.digest, &h.from) {
+            (Some(p), None, None) => Source::Path(p.clone()),
+            (None, Some(d), None) => Source::Digest {
+                digest: parse_digest(&format!("{field}.digest"), d)?,
+                size_bytes: 0,
+            },
+            _ => {
+                return Err(err(
+                    field,
+                    "give exactly one of path = \"local/file\" or digest = \"<sha256>\" \
+                     (held-out data stays on this node)",
+                ));
+            }
+        };
+        held_out.push(NamedDigest {
+            name: h.name.clone(),
+            digest: match &source {
+                Source::Digest { digest, .. } => *digest,
+                Source::Path(_) => Digest([0; 32]),
+            },
+        });
+        sources.push(source);
+    }
+    let configuration = e
+        .configuration
+        .iter()
+        .map(|(k, v)| {
+            let value = match v {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_) => {
+                    v.to_string()
+                }
+                _ => {
+                    return Err(err(
+                        f(&format!("configuration.{k}")),
+                        "give a string, number or boolean",
+                    ));
+                }
+            };
+            Ok(Setting {
+                key: k.clone(),
+                value,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut artifacts = Vec::with_capacity(e.artifacts.len());
+    for (i, a) in e.artifacts.iter().enumerate() {
+        let field = f(&format!("artifact[{i}]"));
+        let format = a.format.unwrap_or(if a.output.ends_with(".safetensors") {
+            ArtifactFormat::Safetensors
+        } else {
+            ArtifactFormat::Bytes
+        });
+        artifacts.push(ArtifactCheck {
+            output: a.output.clone(),
+            format,
+            max_size_bytes: parse_size(&a.max_size)
+                .map_err(|x| err(format!("{field}.max_size"), x.to_string()))?,
+            tensors: a
+                .tensors
+                .iter()
+                .map(|t| TensorCheck {
+                    name: t.name.clone(),
+                    dtype: t.dtype.clone(),
+                    shape: t.shape.clone(),
+                })
+                .collect(),
+        });
+    }
+    let terms = EvaluationTerms {
+        evaluator: match &bundle {
+            Source::Digest { digest, .. } => *digest,
+            Source::Path(_) => Digest([0; 32]),
+        },
+        entrypoint: e.entrypoint.clone(),
+        held_out,
+        configuration,
+        limits: EvaluationLimits {
+            wall_ms,
+            memory_bytes,
+            max_input_bytes,
+        },
+        artifacts,
+        confirm: e.confirm,
+    };
+    terms
+        .validate(
+            tasks
+                .iter()
+                .flat_map(|t| t.task.outputs.iter().map(|o| o.name.as_str())),
+        )
+        .map_err(|x| err(x.field.to_string(), x.reason.to_string()))?;
+    Ok(EvaluationDraft {
+        terms,
+        bundle,
+        held_out: sources,
     })
 }
 
@@ -794,6 +1055,20 @@ adapter = "synthetic"
         assert_eq!(t.task.requirements.runtimes.len(), 2);
         assert_eq!(s.acceptance[0].threshold, Fixed(910_000));
         assert_eq!(s.acceptance[0].comparison, Comparison::AtLeast);
+        let e = s.evaluation.as_ref().unwrap();
+        assert_eq!(e.bundle, Source::Path("eval-bundle.tar".into()));
+        assert!(e.terms.confirm);
+        assert_eq!(e.terms.artifacts[0].format, ArtifactFormat::Safetensors);
+
+        let s = JobSpec::parse(&example("numpy-train/job.toml")).unwrap();
+        let loss = &s.acceptance[1];
+        assert_eq!(loss.baseline, Some(Fixed(1_098_600)));
+        assert_eq!(loss.required(), Fixed(598_600));
+        let e = s.evaluation.as_ref().unwrap();
+        assert_eq!(e.held_out, vec![Source::Path("heldout.npy".into())]);
+        assert_eq!(e.terms.configuration[0].key, "hidden");
+        assert_eq!(e.terms.artifacts[0].tensors[2].shape, vec![32, 3]);
+        assert_eq!(e.terms.limits.wall_ms, 120_000);
 
         let s = JobSpec::parse(&example("pipeline.toml")).unwrap();
         assert_eq!(s.budget, Amount(3_250_000));
@@ -819,8 +1094,12 @@ adapter = "synthetic"
                 Ok::<_, ()>((Digest([7; 32]), 42))
             })
             .unwrap();
-        assert_eq!(asked, ["train-bundle.tar"]);
+        // The evaluator's bundle and the held-out data are hashed (and kept) too.
+        assert_eq!(asked, ["train-bundle.tar", "eval-bundle.tar", "test.bin"]);
         assert_eq!(t.tasks[0].workload.digest, Digest([7; 32]));
+        let terms = t.evaluation.unwrap();
+        assert_eq!(terms.evaluator, Digest([7; 32]));
+        assert_eq!(terms.held_out[0].digest, Digest([7; 32]));
         assert_eq!(t.ttl_ms, 30_000);
         // A file that cannot be read names the field.
         let (field, ()) = s.resolve(|_| Err(())).unwrap_err();
@@ -895,6 +1174,44 @@ adapter = "synthetic"
             (
                 format!("{MINIMAL}[[acceptance]]\nmetric = \"acc\"\n"),
                 "acceptance[0]",
+            ),
+            (
+                format!("{MINIMAL}[[acceptance]]\nmetric = \"acc\"\nat_least = 1\n"),
+                "acceptance",
+            ),
+            (
+                format!(
+                    "{MINIMAL}[[acceptance]]\nmetric = \"acc\"\nbaseline = 0.5\nabove_baseline = -1\n"
+                ),
+                "acceptance[0]",
+            ),
+            (
+                format!("{MINIMAL}[evaluation]\nentrypoint = [\"x\"]\n"),
+                "evaluation",
+            ),
+            (
+                format!("{MINIMAL}[evaluation]\nbundle = \"e.tar\"\n"),
+                "evaluation.entrypoint",
+            ),
+            (
+                format!(
+                    "{MINIMAL}[evaluation]\nbundle = \"e.tar\"\nentrypoint = [\"x\"]\n\
+                     [[evaluation.artifact]]\noutput = \"nothing\"\nmax_size = \"1KiB\"\n"
+                ),
+                "evaluation.artifacts.output",
+            ),
+            (
+                format!(
+                    "{MINIMAL}[evaluation]\nbundle = \"e.tar\"\nentrypoint = [\"x\"]\n\
+                     [[evaluation.held_out]]\nname = \"configuration.json\"\npath = \"c\"\n"
+                ),
+                "evaluation.held_out.name",
+            ),
+            (
+                format!(
+                    "{MINIMAL}[evaluation]\nbundle = \"e.tar\"\nentrypoint = [\"x\"]\ntimeout = \"0s\"\n"
+                ),
+                "evaluation.timeout",
             ),
         ];
         for (text, field) in cases {

@@ -192,6 +192,7 @@ pub fn offer(
         fee: fee_terms(),
         review_window_ms: 60_000,
         acceptance: Vec::new(),
+        evaluation: None,
         calls: vec![cannabis_protocol::BidCall::EVERYONE; tasks.len()],
         tasks,
     }
@@ -240,6 +241,7 @@ pub fn template(tasks: Vec<TaskSpec>, window_ms: u64, deadline_ms: u64) -> crate
         deadline_ms,
         review_window_ms: 60_000,
         acceptance: Vec::new(),
+        evaluation: None,
         early: None,
     }
 }

@@ -127,6 +127,7 @@ pub fn serve(
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .route("/v1/jobs/{id}/accept", post(judge_job))
         .route("/v1/jobs/{id}/dispute", post(judge_job))
+        .route("/v1/jobs/{id}/evaluate", post(judge_job))
         .route("/v1/leases", get(leases))
         .route("/v1/ledger", get(ledger_status))
         .route("/v1/ledger/blocks", get(ledger_blocks))

@@ -753,6 +753,16 @@ pub(crate) enum JobCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Evaluate what a job delivered again, by hand: the artifact checks, then the
+    /// evaluator its job file names, in the sandbox on this node, on the delivered outputs
+    /// and the held-out data. Its signed report accepts or disputes as an automatic one
+    /// does. Waits for the report (up to the evaluator's time limit and a minute).
+    Evaluate {
+        /// The job id.
+        id: String,
+        #[command(flatten)]
+        format: Format,
+    },
     /// Write a job's delivered outputs into a folder, each checked against the digest its
     /// worker signed: `DIR/<output>` for one task of one rank, `DIR/rank-<r>/<output>` for
     /// a group, `DIR/<task name>/...` for several tasks. Fails naming any rank that has

@@ -1025,6 +1025,15 @@ const SAFETENSORS_HEADER_MAX: u64 = 100 * 1024 * 1024;
 /// tensor's byte range as long as its shape says, inside the file, no two overlapping,
 /// and together covering the data exactly.
 pub fn check_safetensors(f: &mut impl Read, len: u64) -> Result<(), String> {
+    safetensors_tensors(f, len).map(|_| ())
+}
+
+/// The tensors of a safetensors file (name, dtype, shape) once it passes the checks of
+/// [`check_safetensors`].
+pub fn safetensors_tensors(
+    f: &mut impl Read,
+    len: u64,
+) -> Result<Vec<(String, String, Vec<u64>)>, String> {
     let bad = |why: String| Err(format!("not a valid safetensors file: {why}"));
     let mut n = [0u8; 8];
     if len < 8 || f.read_exact(&mut n).is_err() {
@@ -1042,6 +1051,7 @@ pub fn check_safetensors(f: &mut impl Read, len: u64) -> Result<(), String> {
     };
     let data_len = len - 8 - n;
     let mut ranges = Vec::new();
+    let mut tensors = Vec::new();
     for (key, v) in &json {
         if key == "__metadata__" {
             if !v
@@ -1092,6 +1102,7 @@ pub fn check_safetensors(f: &mut impl Read, len: u64) -> Result<(), String> {
             ));
         }
         ranges.push((begin, end, key.clone()));
+        tensors.push((key.clone(), dtype.to_string(), shape));
     }
     ranges.sort();
     let mut at = 0;
@@ -1107,7 +1118,7 @@ pub fn check_safetensors(f: &mut impl Read, len: u64) -> Result<(), String> {
     if at != data_len {
         return bad(format!("bytes {at}..{data_len} belong to no tensor"));
     }
-    Ok(())
+    Ok(tensors)
 }
 
 /// Bits per element of a safetensors dtype.

@@ -6,6 +6,7 @@ pub mod api;
 pub mod clock;
 pub mod config;
 pub mod delivery;
+pub mod evaluate;
 pub mod exec;
 pub mod keystore;
 pub mod logging;

@@ -159,6 +159,8 @@ pub(crate) enum Command {
     ),
     /// A delivered synthetic product was checked off the driver.
     ProductChecked(cannabis_market::ProductCheck, Result<(), String>),
+    /// An evaluation run ended off the driver: its report, to sign.
+    Evaluated(u32, Box<cannabis_protocol::Evaluation>),
     /// Set a peer the capability challenge.
     Challenge(
         PeerId,
@@ -806,6 +808,7 @@ impl Node {
                 }
                 Output::Fetch(manifest) => self.start_fetch(*manifest),
                 Output::CheckProduct(check) => self.check_product(check),
+                Output::Evaluate(order) => self.evaluate(*order),
                 Output::Settle(order) => self.on_settle(order),
             }
         }
@@ -994,6 +997,7 @@ impl Node {
                         MarketCommand::Accept { job: id, part_ppm }
                     }
                     api::Verdict::Dispute { reason } => MarketCommand::Dispute { job: id, reason },
+                    api::Verdict::Evaluate => MarketCommand::Evaluate(id),
                 };
                 let done = self.refuse_if_safe().and_then(|()| {
                     self.market
@@ -1155,6 +1159,7 @@ impl Node {
             }
             Command::Fetched(manifest, result) => self.fetched(*manifest, result),
             Command::ProductChecked(check, verdict) => self.product_checked(check, verdict),
+            Command::Evaluated(run, report) => self.evaluated(run, *report),
         }
     }
 

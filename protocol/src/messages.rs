@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 mod capability;
 mod delivery;
 mod directed;
+mod evaluation;
 mod ledger;
 mod market;
 mod offer;
@@ -23,6 +24,11 @@ pub use delivery::{
 pub use directed::{
     ChallengeRequest, ChallengeResponse, LedgerRequest, LedgerResponse, MarketRequest,
     MarketResponse, SyncRequest, SyncResponse,
+};
+pub use evaluation::{
+    ArtifactCheck, ArtifactFormat, Criterion, EVALUATION_CONFIGURATION, EVALUATION_METRICS,
+    EvaluatedDelivery, Evaluation, EvaluationLimits, EvaluationOutcome, EvaluationTerms,
+    MAX_EVALUATION_ITEMS, MAX_TENSOR_CHECKS, MAX_TENSOR_RANK, TensorCheck, judge,
 };
 pub use ledger::{
     Block, BlockError, BlockHeader, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle,

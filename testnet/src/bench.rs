@@ -232,6 +232,7 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
         deadline_ms: 20 * 60_000,
         review_window_ms: 60 * 60_000,
         acceptance: Vec::new(),
+        evaluation: None,
         early: None,
     }
 }

@@ -3,8 +3,8 @@
 
 use cannabis_protocol::{
     AdapterKind, Amount, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowCancel, EscrowLock,
-    EscrowSettle, JobOffer, LeaseAccept, Message as _, NamedDigest, Outcome, Received, Uuid, draw,
-    message_id,
+    EscrowSettle, EvaluationOutcome, JobOffer, LeaseAccept, Message as _, NamedDigest, Outcome,
+    Received, Uuid, draw, message_id,
 };
 
 use super::{
@@ -100,6 +100,7 @@ impl Market {
             fee,
             review_window_ms: t.review_window_ms,
             acceptance: t.acceptance.clone(),
+            evaluation: t.evaluation.clone(),
             tasks: t.tasks.clone(),
             calls,
         };
@@ -272,6 +273,87 @@ impl Market {
         self.job_changed(job, actions);
         for check in checks {
             self.out.fenced(Output::CheckProduct(check));
+        }
+        // The last delivery starts the evaluation, when the terms name one.
+        self.evaluate(job, false)?;
+        Ok(CommandOk::Done)
+    }
+
+    /// Starts an evaluation run of a job's deliveries: by hand whatever came before, or
+    /// once, when every task delivered. `false` when none is due.
+    pub(super) fn evaluate(&mut self, job: Uuid, by_hand: bool) -> Result<bool, CommandError> {
+        let now = self.now;
+        let j = self.job_mut(job)?;
+        if by_hand {
+            if j.offer().evaluation.is_none() {
+                return Err(CommandError::NoEvaluation(job));
+            }
+            if j.state() != JobState::Completed {
+                return Err(CommandError::NotDelivered(job));
+            }
+        }
+        let Some(run) = j.start_evaluation(by_hand, now) else {
+            return Ok(false);
+        };
+        let order = evaluation_order(j, run);
+        self.out.dirty(RecordKey::Job(job));
+        if let Some(order) = order {
+            self.out.fenced(Output::Evaluate(Box::new(order)));
+        }
+        Ok(true)
+    }
+
+    /// An evaluation run's signed report: kept, then a pass accepts every delivery (unless
+    /// the terms ask for the requester's confirmation) and anything else disputes them,
+    /// naming the report. Without a ledger the report is kept and nothing is settled.
+    pub(super) fn evaluated(
+        &mut self,
+        job: Uuid,
+        run: u32,
+        report: cannabis_protocol::Signed<cannabis_protocol::Evaluation>,
+    ) -> Result<CommandOk, CommandError> {
+        let now = self.now;
+        let me = self.me.address;
+        let opened = report
+            .verify_from(&me)
+            .map_err(|e| CommandError::BadReport(e.to_string()))?;
+        let body = opened.body;
+        let j = self.job_mut(job)?;
+        if body.job_id != job {
+            return Err(CommandError::BadReport("it is of another job".into()));
+        }
+        if !j.on_evaluated(run, report, &body, now) {
+            return Ok(CommandOk::Done);
+        }
+        let confirm = j.offer().evaluation.as_ref().is_some_and(|t| t.confirm);
+        let settled = *j.escrow() != Escrowed::Unsettled;
+        let settle = match body.outcome {
+            EvaluationOutcome::Passed if confirm => {
+                j.note(
+                    now,
+                    "the evaluation passed; the terms ask for the requester's confirmation: \
+                     `cannabis job accept` pays, `cannabis job dispute` disputes"
+                        .into(),
+                );
+                None
+            }
+            EvaluationOutcome::Passed => Some((Some(cannabis_protocol::PPM_DENOMINATOR), None)),
+            EvaluationOutcome::Failed | EvaluationOutcome::NotEvaluated => Some((
+                None,
+                Some(format!(
+                    "evaluation run {run} (report {}): {}",
+                    opened.id, body.reason
+                )),
+            )),
+        };
+        self.out.dirty(RecordKey::Job(job));
+        if let Some((part, reason)) = settle
+            && settled
+        {
+            match self.settle_delivered(job, part, reason) {
+                Ok(_) | Err(CommandError::NothingDelivered(_)) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(CommandOk::Done)
     }
@@ -691,6 +773,39 @@ impl Market {
             self.wakes.insert((t, job));
         }
     }
+}
+
+/// What evaluation run `run` of `job` takes: its terms and every delivered rank (`None`
+/// when the offer has no terms).
+pub(super) fn evaluation_order(job: &Job, run: u32) -> Option<super::EvaluationOrder> {
+    let terms = job.offer().evaluation.clone()?;
+    let deliveries = job
+        .tasks()
+        .iter()
+        .enumerate()
+        .flat_map(|(i, t)| t.ranks().iter().map(move |a| (i as u32, a)))
+        .filter(|(_, a)| a.state == LeaseState::Done)
+        .filter_map(|(task, a)| {
+            let signed = a.delivery.as_ref()?;
+            let opened = signed.verify().ok()?;
+            Some((
+                cannabis_protocol::EvaluatedDelivery {
+                    task,
+                    rank: a.rank,
+                    epoch: a.epoch,
+                    manifest: opened.id,
+                },
+                opened.body.outputs,
+            ))
+        })
+        .collect();
+    Some(super::EvaluationOrder {
+        job: job.id(),
+        run,
+        terms,
+        acceptance: job.offer().acceptance.clone(),
+        deliveries,
+    })
 }
 
 /// The synthetic products of `job` delivered and not yet checked.

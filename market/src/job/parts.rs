@@ -19,7 +19,7 @@ pub enum Part {
     /// The offer as last published, its message id and the ids of earlier versions.
     Offer {
         /// The offer.
-        offer: JobOffer,
+        offer: Box<JobOffer>,
         /// Its message id.
         offer_id: Digest,
         /// Earlier versions' ids.
@@ -71,6 +71,8 @@ pub struct Head {
     early_look_at: Option<cannabis_protocol::Timestamp>,
     #[serde(default)]
     escrow: super::Escrowed,
+    #[serde(default)]
+    evaluation: Option<super::Evaluating>,
 }
 
 impl Part {
@@ -116,7 +118,7 @@ impl Job {
     pub fn parts(&self) -> Vec<Part> {
         let mut parts = Vec::with_capacity(2 + self.history.len());
         parts.push(Part::Offer {
-            offer: self.offer.clone(),
+            offer: Box::new(self.offer.clone()),
             offer_id: self.offer_id,
             earlier: self.earlier.clone(),
         });
@@ -151,6 +153,7 @@ impl Job {
             history_dropped: self.history_dropped,
             early_look_at: self.early_look_at,
             escrow: self.escrow.clone(),
+            evaluation: self.evaluation.clone(),
         })));
         for (i, t) in self.tasks.iter().enumerate() {
             let task = i as u32;
@@ -197,7 +200,7 @@ impl Job {
                     offer: o,
                     offer_id,
                     earlier,
-                } => offer = Some((o, offer_id, earlier)),
+                } => offer = Some((*o, offer_id, earlier)),
                 Part::Head(h) => head = Some(h),
                 Part::Bid {
                     task,
@@ -249,6 +252,7 @@ impl Job {
             history_dropped: head.history_dropped,
             early_look_at: head.early_look_at,
             escrow: head.escrow,
+            evaluation: head.evaluation,
         })
     }
 }

@@ -97,6 +97,8 @@ pub struct Node {
     pub fetches: Vec<Signed<cannabis_protocol::DeliveryManifest>>,
     /// Synthetic products the engine asked to check.
     pub checks: Vec<crate::ProductCheck>,
+    /// Evaluations the engine asked for.
+    pub evaluations: Vec<crate::EvaluationOrder>,
     /// What it asked of settlement, in order (its driver signs and submits each).
     pub settles: Vec<crate::Settle>,
     config: MarketConfig,
@@ -119,6 +121,7 @@ impl Node {
             runs: Vec::new(),
             fetches: Vec::new(),
             checks: Vec::new(),
+            evaluations: Vec::new(),
             settles: Vec::new(),
             config,
             keys,
@@ -241,6 +244,7 @@ impl Node {
                 Output::Run(order) => self.runs.push(order),
                 Output::Fetch(manifest) => self.fetches.push(*manifest),
                 Output::CheckProduct(check) => self.checks.push(check),
+                Output::Evaluate(order) => self.evaluations.push(*order),
                 Output::Settle(order) => self.settles.push(order),
             }
         }

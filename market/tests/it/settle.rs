@@ -117,19 +117,28 @@ impl Chain {
 /// A requester (node 0) with `funds` and one worker; one job of one rank submitted at T0
 /// and its bid window ended.
 fn world(funds: u64) -> (Net, Chain, Uuid, Timestamp) {
+    world_evaluated(funds, None)
+}
+
+/// [`world`] for a job with `evaluation` terms.
+fn world_evaluated(
+    funds: u64,
+    evaluation: Option<(Vec<AcceptanceMetric>, EvaluationTerms)>,
+) -> (Net, Chain, Uuid, Timestamp) {
     let nodes = (0..2)
         .map(|i| Node::new(settled_config(), identity(i), Some(testkit::keys(i)), T0))
         .collect();
     let mut net = network(nodes, |_| Machine::default());
-    let job = submit(
-        &mut net,
-        testkit::template(
-            vec![testkit::task("t", 1, 0, 0, 1, PRICE_BUDGET)],
-            WINDOW,
-            3_600_000,
-        ),
-        [7; 16],
+    let mut template = testkit::template(
+        vec![testkit::task("t", 1, 0, 0, 1, PRICE_BUDGET)],
+        WINDOW,
+        3_600_000,
     );
+    if let Some((acceptance, terms)) = evaluation {
+        template.acceptance = acceptance;
+        template.evaluation = Some(terms);
+    }
+    let job = submit(&mut net, template, [7; 16]);
     net.settle(T0);
     let end = T0.plus_ms(WINDOW);
     net.tick(end);
@@ -569,4 +578,201 @@ fn a_checked_product_is_noted_and_a_restart_checks_again_until_then() {
         net.nodes[0].checks.is_empty(),
         "checked again after its verdict"
     );
+}
+
+fn evaluation_terms(confirm: bool) -> (Vec<AcceptanceMetric>, EvaluationTerms) {
+    (
+        vec![AcceptanceMetric {
+            name: "accuracy".into(),
+            comparison: Comparison::AtLeast,
+            threshold: Fixed(900_000),
+            baseline: None,
+        }],
+        EvaluationTerms {
+            evaluator: Digest::of(b"evaluator"),
+            entrypoint: vec!["sh".into(), "evaluate.sh".into()],
+            held_out: vec![NamedDigest {
+                name: "heldout.bin".into(),
+                digest: Digest::of(b"held out"),
+            }],
+            configuration: Vec::new(),
+            limits: EvaluationLimits {
+                wall_ms: 60_000,
+                memory_bytes: 1 << 30,
+                max_input_bytes: 1 << 30,
+            },
+            artifacts: Vec::new(),
+            confirm,
+        },
+    )
+}
+
+/// The requester's signed report of evaluation `run` of `order`, with `outcome`.
+fn report(
+    signer: u64,
+    order: &cannabis_market::EvaluationOrder,
+    outcome: EvaluationOutcome,
+) -> Box<Signed<Evaluation>> {
+    let value = if outcome == EvaluationOutcome::Passed {
+        950_000
+    } else {
+        500_000
+    };
+    let (criteria, _) = judge(
+        &evaluation_terms(false).0,
+        &[MetricValue {
+            name: "accuracy".into(),
+            value: Fixed(value),
+        }],
+    );
+    Box::new(Signed::sign(
+        &testkit::keys(signer),
+        &Evaluation {
+            job_id: order.job,
+            requester: testkit::keys(signer).address(),
+            evaluator: order.terms.evaluator,
+            held_out: order.terms.held_out.clone(),
+            deliveries: order.deliveries.iter().map(|(d, _)| *d).collect(),
+            inputs: Vec::new(),
+            metrics: Vec::new(),
+            criteria,
+            outcome,
+            reason: "the test says so".into(),
+            issued_at: T0,
+        },
+    ))
+}
+
+/// The evaluation asked for once every task delivered, again after a restart until its
+/// report is kept, and not after; a report of another run or another signer changes
+/// nothing; a failed report disputes, and a pass of a run by hand accepts.
+#[test]
+fn an_evaluation_disputes_a_failure_and_accepts_a_pass() {
+    let (mut net, mut chain, job, end) =
+        world_evaluated(100_000_000, Some(evaluation_terms(false)));
+    delivered_and_checking(&mut net, &mut chain, job, end);
+    let order = match net.nodes[0].evaluations.as_slice() {
+        [o] => o.clone(),
+        other => panic!("one evaluation expected, got {other:?}"),
+    };
+    assert_eq!((order.job, order.run), (job, 1));
+    assert_eq!(order.deliveries.len(), 1);
+    assert_eq!(
+        (order.deliveries[0].0.task, order.deliveries[0].0.epoch),
+        (0, 1)
+    );
+    assert_eq!(order.deliveries[0].1, results());
+    net.nodes[0].evaluations.clear();
+    net.nodes[0].restart(end);
+    net.nodes[0].drain(end);
+    assert_eq!(net.nodes[0].evaluations, vec![order.clone()]);
+
+    net.nodes[0].settles.clear();
+    let evaluated = |run: u32, report| Command::Evaluated { job, run, report };
+    // Another run's report, or one the requester did not sign: nothing moves.
+    net.nodes[0]
+        .market
+        .command(
+            end,
+            evaluated(2, report(0, &order, EvaluationOutcome::Failed)),
+        )
+        .unwrap();
+    assert!(
+        net.nodes[0]
+            .market
+            .command(
+                end,
+                evaluated(1, report(1, &order, EvaluationOutcome::Passed))
+            )
+            .is_err()
+    );
+    step(&mut net, end);
+    assert!(
+        net.nodes[0].settles.is_empty(),
+        "{:?}",
+        net.nodes[0].settles
+    );
+
+    net.nodes[0]
+        .market
+        .command(
+            end,
+            evaluated(1, report(0, &order, EvaluationOutcome::Failed)),
+        )
+        .unwrap();
+    step(&mut net, end);
+    assert!(matches!(
+        net.nodes[0].settles.as_slice(),
+        [Settle::Dispute(s)] if (s.task, s.rank, s.epoch) == (0, 0, 1)
+    ));
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert!(
+        j.history()
+            .iter()
+            .any(|h| h.text.starts_with("disputed") && h.text.contains("evaluation run 1")),
+        "{:#?}",
+        j.history()
+    );
+    net.nodes[0].evaluations.clear();
+    net.nodes[0].restart(end);
+    net.nodes[0].drain(end);
+    assert!(
+        net.nodes[0].evaluations.is_empty(),
+        "asked again after its report"
+    );
+
+    // By hand: a new run, whose pass accepts.
+    net.nodes[0].settles.clear();
+    net.nodes[0]
+        .market
+        .command(end, Command::Evaluate(job))
+        .unwrap();
+    step(&mut net, end);
+    let again = net.nodes[0].evaluations.last().unwrap().clone();
+    assert_eq!(again.run, 2);
+    net.nodes[0]
+        .market
+        .command(
+            end,
+            evaluated(2, report(0, &again, EvaluationOutcome::Passed)),
+        )
+        .unwrap();
+    step(&mut net, end);
+    assert!(matches!(
+        net.nodes[0].settles.as_slice(),
+        [Settle::Accept(s)] if s.outcome == Outcome::Accepted
+    ));
+}
+
+/// Terms that ask for the requester's confirmation: a pass settles nothing by itself; a
+/// job without terms cannot be evaluated by hand.
+#[test]
+fn a_pass_waits_for_confirmation_when_the_terms_say_so() {
+    let (mut net, mut chain, job, end) = world_evaluated(100_000_000, Some(evaluation_terms(true)));
+    delivered_and_checking(&mut net, &mut chain, job, end);
+    let order = net.nodes[0].evaluations[0].clone();
+    net.nodes[0].settles.clear();
+    net.nodes[0]
+        .market
+        .command(
+            end,
+            Command::Evaluated {
+                job,
+                run: 1,
+                report: report(0, &order, EvaluationOutcome::Passed),
+            },
+        )
+        .unwrap();
+    step(&mut net, end);
+    assert!(net.nodes[0].settles.is_empty());
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert!(j.history().iter().any(|h| h.text.contains("confirmation")));
+
+    let (mut net, _chain, job, end) = world(100_000_000);
+    assert!(matches!(
+        net.nodes[0].market.command(end, Command::Evaluate(job)),
+        Err(cannabis_market::CommandError::NoEvaluation(_))
+    ));
+    net.nodes[0].drain(end);
+    assert!(net.nodes[0].evaluations.is_empty());
 }

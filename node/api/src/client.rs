@@ -180,11 +180,12 @@ impl ApiClient {
         self.post(&format!("/v1/jobs/{id}/cancel"), &())
     }
 
-    /// `POST /v1/jobs/{id}/accept` or `/dispute`
+    /// `POST /v1/jobs/{id}/accept`, `/dispute` or `/evaluate`
     pub fn judge_job(&self, id: &str, verdict: &api::Verdict) -> anyhow::Result<api::JobDetail> {
         let what = match verdict {
             api::Verdict::Accept { .. } => "accept",
             api::Verdict::Dispute { .. } => "dispute",
+            api::Verdict::Evaluate => "evaluate",
         };
         self.post(&format!("/v1/jobs/{id}/{what}"), verdict)
     }

@@ -282,6 +282,54 @@ pub struct JobDetail {
     /// and refunded.
     #[serde(default)]
     pub escrow: Option<cannabis_market::ledger::Escrow>,
+    /// The evaluation terms the offer pinned, if any.
+    #[serde(default)]
+    pub evaluation_terms: Option<cannabis_protocol::EvaluationTerms>,
+    /// The requester's evaluation of the deliveries, when the offer has terms.
+    #[serde(default)]
+    pub evaluation: Option<EvaluationView>,
+}
+
+/// Where a job's evaluation stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EvaluationView {
+    /// The run asked last (each one by hand is a new run).
+    pub run: u32,
+    /// Whether that run is still going.
+    pub running: bool,
+    /// Its signed report, once made: the message id...
+    pub report_id: Option<String>,
+    /// ...the whole signed report (its envelope, in hex: the evidence a resolver checks
+    /// with the requester's key)...
+    pub signed: Option<String>,
+    /// ...and what it says.
+    pub report: Option<cannabis_protocol::Evaluation>,
+}
+
+impl EvaluationView {
+    /// The view of a job's evaluation.
+    pub fn of(e: &cannabis_market::job::Evaluating) -> Self {
+        use cannabis_market::job::Evaluating;
+        match e {
+            Evaluating::Running { run, .. } => Self {
+                run: *run,
+                running: true,
+                report_id: None,
+                signed: None,
+                report: None,
+            },
+            Evaluating::Done { run, report } => {
+                let opened = report.verify().ok();
+                Self {
+                    run: *run,
+                    running: false,
+                    report_id: opened.as_ref().map(|o| o.id.to_string()),
+                    signed: Some(hex::encode(report.to_bytes())),
+                    report: opened.map(|o| o.body),
+                }
+            }
+        }
+    }
 }
 
 /// One task of a [`JobDetail`].
@@ -496,6 +544,8 @@ impl JobDetail {
             refund: job.refund().ok(),
             escrowed: job.escrow().clone(),
             escrow: None,
+            evaluation_terms: job.offer().evaluation.clone(),
+            evaluation: job.evaluation().map(EvaluationView::of),
         }
     }
 }
@@ -649,6 +699,9 @@ pub enum Verdict {
         /// Why (kept in the job's history, for the resolver).
         reason: String,
     },
+    /// Evaluate the deliveries again (`POST /v1/jobs/{id}/evaluate`): a new run whose
+    /// report accepts or disputes as an automatic one does.
+    Evaluate,
 }
 
 /// `POST /v1/ledger/submit`: a transaction signed elsewhere (by a key this node does not

@@ -311,6 +311,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         deadline_ms: 3_600_000,
         review_window_ms: 86_400_000,
         acceptance: Vec::new(),
+        evaluation: None,
         early: Some(Early::FirstBids(1)),
     };
     let submitted = requester_node

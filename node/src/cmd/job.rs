@@ -106,6 +106,38 @@ pub(super) fn run(
             )?;
             print_escrow(&job)
         }
+        JobCommand::Evaluate { id, format } => {
+            let client = ApiClient::from_data_dir(&data_dir()?)?;
+            let asked = client.judge_job(&id, &cannabis_api::Verdict::Evaluate)?;
+            let run = asked.evaluation.as_ref().map_or(0, |e| e.run);
+            let limit = asked
+                .evaluation_terms
+                .as_ref()
+                .map_or(0, |t| t.limits.wall_ms)
+                .saturating_add(60_000);
+            let until = std::time::Instant::now() + std::time::Duration::from_millis(limit);
+            let job = loop {
+                let job = client.job(&id)?;
+                if job
+                    .evaluation
+                    .as_ref()
+                    .is_some_and(|e| e.run > run || (e.run == run && !e.running))
+                {
+                    break job;
+                }
+                if std::time::Instant::now() > until {
+                    anyhow::bail!(
+                        "evaluation run {run} of job {id} has not reported yet: see `cannabis job status {id}`"
+                    );
+                }
+                std::thread::sleep(std::time::Duration::from_millis(250));
+            };
+            if format.json {
+                return output::json(&job.evaluation);
+            }
+            print_evaluation(&job)?;
+            print_escrow(&job)
+        }
         JobCommand::Results {
             id,
             task,
@@ -584,6 +616,7 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
             }
         }
     }
+    print_evaluation(job)?;
     print_escrow(job)?;
     // Times relative to publication, then the last 30 events.
     let start = job.history.first().map(|e| e.at).unwrap_or_default();
@@ -592,6 +625,61 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
         let task = e.task.map(|t| format!("task {t}: ")).unwrap_or_default();
         let ms = e.at.ms_since(start);
         out!("  {:>9}.{:03} {task}{}", ms / 1000, ms % 1000, e.text)?;
+    }
+    Ok(())
+}
+
+/// The job's evaluation: its terms, then the last run's report, criterion by criterion.
+fn print_evaluation(job: &JobDetail) -> anyhow::Result<()> {
+    let Some(terms) = &job.evaluation_terms else {
+        return Ok(());
+    };
+    out!(
+        "\nevaluation: evaluator {} ({}), {} held-out file(s), {} artifact check(s){}",
+        terms.evaluator,
+        terms.entrypoint.join(" "),
+        terms.held_out.len(),
+        terms.artifacts.len(),
+        if terms.confirm {
+            "; a pass waits for your confirmation"
+        } else {
+            ""
+        }
+    )?;
+    let Some(e) = &job.evaluation else {
+        out!("  not started: it runs once every task delivered")?;
+        return Ok(());
+    };
+    if e.running {
+        out!("  run {}: running", e.run)?;
+        return Ok(());
+    }
+    let Some(r) = &e.report else {
+        out!("  run {}: its report cannot be read", e.run)?;
+        return Ok(());
+    };
+    let outcome = match r.outcome {
+        cannabis_protocol::EvaluationOutcome::Passed => "passed",
+        cannabis_protocol::EvaluationOutcome::Failed => "failed",
+        cannabis_protocol::EvaluationOutcome::NotEvaluated => "not evaluated",
+    };
+    out!("  run {}: {outcome}: {}", e.run, r.reason)?;
+    for c in &r.criteria {
+        let (sign, value) = match c.value {
+            Some(v) => (
+                match c.comparison {
+                    cannabis_protocol::Comparison::AtLeast => ">=",
+                    cannabis_protocol::Comparison::AtMost => "<=",
+                },
+                v.to_string(),
+            ),
+            None => ("vs", "not reported".into()),
+        };
+        let mark = if c.passed { "pass" } else { "FAIL" };
+        out!("    {mark}  {} {value} {sign} {}", c.metric, c.required)?;
+    }
+    if let Some(id) = &e.report_id {
+        out!("  signed report {id} (the evidence of any dispute it opened; `--json` shows it)")?;
     }
     Ok(())
 }

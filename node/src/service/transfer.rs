@@ -404,6 +404,59 @@ impl Node {
         });
     }
 
+    /// The engine asks for a job's deliveries to be evaluated: off the driver (the
+    /// evaluator runs in the sandbox for up to the terms' time), once the executor has
+    /// opened; the report comes back to be signed.
+    pub(super) fn evaluate(&mut self, order: cannabis_market::EvaluationOrder) {
+        info!(job = %order.job, run = order.run, "evaluating the deliveries");
+        let data_dir = self.data_dir.clone();
+        let tell = self.self_tx.clone();
+        let mut slot = self.executor.clone();
+        let me = self.keys.signing.address();
+        tokio::spawn(async move {
+            let executor = match slot.wait_for(Option::is_some).await {
+                Ok(opened) => match opened.as_deref() {
+                    Some(Ok(ex)) => Ok(ex.clone()),
+                    Some(Err(why)) => Err(why.clone()),
+                    None => Err("the executor did not open".to_string()),
+                },
+                Err(_) => return,
+            };
+            let run = order.run;
+            let report = tokio::task::spawn_blocking(move || {
+                crate::evaluate::evaluate(&data_dir, executor, &order, me)
+            })
+            .await;
+            if let Ok(report) = report {
+                let _ = tell.send(Command::Evaluated(run, Box::new(report))).await;
+            }
+        });
+    }
+
+    /// An evaluation run's report: signed, kept in the job, and acted on by the engine
+    /// (a pass accepts, anything else disputes).
+    pub(super) fn evaluated(&mut self, run: u32, report: cannabis_protocol::Evaluation) {
+        match report.outcome {
+            cannabis_protocol::EvaluationOutcome::Passed => {
+                info!(job = %report.job_id, run, "evaluation passed");
+            }
+            _ => {
+                warn!(job = %report.job_id, run, outcome = ?report.outcome, reason = %report.reason, "evaluation did not pass");
+            }
+        }
+        let job = report.job_id;
+        let signed = cannabis_protocol::Signed::sign(&self.keys.signing, &report);
+        let command = MarketCommand::Evaluated {
+            job,
+            run,
+            report: Box::new(signed),
+        };
+        if let Err(e) = self.market.command(now().0, command) {
+            warn!(error = %e, "evaluation report not taken");
+        }
+        self.drain();
+    }
+
     /// A synthetic product's verdict: the engine keeps it (and disputes a wrong one).
     pub(super) fn product_checked(
         &mut self,

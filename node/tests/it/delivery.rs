@@ -148,16 +148,7 @@ fn a_process_job_and_its_dependant_run_on_workers_and_their_outputs_come_back() 
     std::fs::write(work.join("job.toml"), JOB).unwrap();
 
     // The workers' ads must be known before the job is published.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while ApiClient::from_data_dir(requester)
-        .unwrap()
-        .get::<Vec<cannabis_api::Ad>>("/v1/market/ads")
-        .map_or(0, |a| a.iter().filter(|a| !a.adapters.is_empty()).count())
-        < 3
-    {
-        assert!(Instant::now() < deadline, "the ads did not arrive");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    super::testnet::wait_for_workers(requester, 3);
     let o = cannabis(
         requester,
         &[
@@ -381,16 +372,7 @@ max_size = "1KiB"
 "#,
     )
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while ApiClient::from_data_dir(requester)
-        .unwrap()
-        .get::<Vec<cannabis_api::Ad>>("/v1/market/ads")
-        .map_or(0, |a| a.iter().filter(|a| !a.adapters.is_empty()).count())
-        < 3
-    {
-        assert!(Instant::now() < deadline, "the ads did not arrive");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    super::testnet::wait_for_workers(requester, 3);
     let o = cannabis(
         requester,
         &[

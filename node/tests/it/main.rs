@@ -5,6 +5,7 @@ mod cli;
 mod confidential;
 mod delivery;
 mod disk;
+mod evaluate;
 mod exec;
 mod exec_restart;
 mod hostile;

@@ -17,7 +17,7 @@ use cannabis_protocol::{Outcome, TxType};
 
 use super::testnet::Testnet;
 
-fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
+pub(crate) fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_cannabis"))
         .arg("--data-dir")
         .arg(data_dir)
@@ -26,7 +26,7 @@ fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn client(dir: &Path) -> ApiClient {
+pub(crate) fn client(dir: &Path) -> ApiClient {
     ApiClient::from_data_dir(dir).unwrap()
 }
 
@@ -71,7 +71,7 @@ fn submit(node: &Path, dir: &Path, name: &str, file: &str) -> String {
 }
 
 /// Waits up to `secs` for `what` to hold of the job (as `node` sees it).
-fn wait_job(
+pub(crate) fn wait_job(
     node: &Path,
     id: &str,
     secs: u64,
@@ -98,7 +98,7 @@ fn closed(j: &JobDetail) -> bool {
     j.escrow.as_ref().is_some_and(Escrow::is_closed)
 }
 
-fn stage(j: &JobDetail) -> Option<Stage> {
+pub(crate) fn stage(j: &JobDetail) -> Option<Stage> {
     j.escrow
         .as_ref()
         .and_then(|e| e.assignments.get(&(0, 0)))
@@ -125,15 +125,7 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
     std::fs::create_dir_all(&work).unwrap();
 
     // The workers' ads must be known before the job is published.
-    let until = Instant::now() + Duration::from_secs(60);
-    while client(requester)
-        .get::<Vec<cannabis_api::Ad>>("/v1/market/ads")
-        .map_or(0, |a| a.iter().filter(|a| !a.adapters.is_empty()).count())
-        < 3
-    {
-        assert!(Instant::now() < until, "the ads did not arrive");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    super::testnet::wait_for_workers(requester, 3);
 
     // The quote a requester sees before publishing names the network fee and the window.
     let quote_file = work.join("quote.toml");

@@ -45,6 +45,21 @@ impl Testnet {
     }
 }
 
+/// Waits (up to a minute) until `node` knows the ads of `n` nodes that take work: a job
+/// published before then may find no worker.
+pub(crate) fn wait_for_workers(node: &Path, n: usize) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while cannabis_api::ApiClient::from_data_dir(node)
+        .unwrap()
+        .get::<Vec<cannabis_api::Ad>>("/v1/market/ads")
+        .map_or(0, |a| a.iter().filter(|a| !a.adapters.is_empty()).count())
+        < n
+    {
+        assert!(std::time::Instant::now() < until, "the ads did not arrive");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
 impl Drop for Testnet {
     fn drop(&mut self) {
         let _ = Command::new(env!("CARGO_BIN_EXE_cannabis"))

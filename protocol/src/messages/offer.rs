@@ -59,6 +59,8 @@ pub struct JobOffer {
     pub review_window_ms: u64,
     /// Metrics a delivery must meet to be accepted.
     pub acceptance: Vec<AcceptanceMetric>,
+    /// How the requester evaluates the deliveries against `acceptance`, if it does.
+    pub evaluation: Option<super::EvaluationTerms>,
     /// The tasks, in an order where every dependency comes first.
     #[cfg_attr(
         feature = "arbitrary",
@@ -291,8 +293,12 @@ pub struct AcceptanceMetric {
     pub name: String,
     /// How the value is compared with the threshold.
     pub comparison: Comparison,
-    /// Threshold, fixed-point with six decimals.
+    /// Threshold, fixed-point with six decimals; with a baseline, the improvement on it
+    /// that is required.
     pub threshold: Fixed,
+    /// The stated baseline the metric must improve on, if any
+    /// ([`AcceptanceMetric::required`]).
+    pub baseline: Option<Fixed>,
 }
 
 /// Comparison of a metric with its threshold.
@@ -447,6 +453,19 @@ impl Message for JobOffer {
             ));
         }
         check_unique("tasks.name", self.tasks.iter().map(|t| t.name.as_str()))?;
+        if self.acceptance.len() > super::MAX_EVALUATION_ITEMS {
+            return Err(Invalid::new(
+                "acceptance",
+                format!("more than {} metrics", super::MAX_EVALUATION_ITEMS),
+            ));
+        }
+        if let Some(terms) = &self.evaluation {
+            terms.validate(
+                self.tasks
+                    .iter()
+                    .flat_map(|t| t.outputs.iter().map(|o| o.name.as_str())),
+            )?;
+        }
         for (i, task) in self.tasks.iter().enumerate() {
             self.validate_task(i, task)?;
         }

@@ -325,6 +325,7 @@ fn offer(tasks: Vec<TaskSpec>, budget: u64) -> JobOffer {
         fee: FeeTerms::founder(keys(9).address()),
         review_window_ms: 86_400_000,
         acceptance: Vec::new(),
+        evaluation: None,
         calls: vec![cannabis_protocol::BidCall::EVERYONE; tasks.len()],
         tasks,
     }

@@ -77,6 +77,7 @@ fn protocol_doc_names_every_field_and_variant() {
     names_of::<Cancel>(&mut runner, &mut fields);
     names_of::<DeliveryManifest>(&mut runner, &mut fields);
     names_of::<ComputeResult>(&mut runner, &mut fields);
+    names_of::<Evaluation>(&mut runner, &mut fields);
     names_of::<Transaction>(&mut runner, &mut fields);
     names_of::<BlockHeader>(&mut runner, &mut fields);
     names_of::<Signed<Bid>>(&mut runner, &mut fields);
@@ -92,6 +93,8 @@ fn protocol_doc_names_every_field_and_variant() {
     variant_names::<AttestationKind>(&mut runner, &mut variants);
     variant_names::<OutputRights>(&mut runner, &mut variants);
     variant_names::<Comparison>(&mut runner, &mut variants);
+    variant_names::<ArtifactFormat>(&mut runner, &mut variants);
+    variant_names::<EvaluationOutcome>(&mut runner, &mut variants);
     variant_names::<TaskInput>(&mut runner, &mut variants);
     variant_names::<TxPayload>(&mut runner, &mut variants);
     variant_names::<Outcome>(&mut runner, &mut variants);
@@ -130,6 +133,7 @@ fn protocol_doc_names_every_field_and_variant() {
         <LeaseRenewal as Message>::DOMAIN,
         <Cancel as Message>::DOMAIN,
         <DeliveryManifest as Message>::DOMAIN,
+        <Evaluation as Message>::DOMAIN,
         <Transaction as Message>::DOMAIN,
         <BlockHeader as Message>::DOMAIN,
         COMPUTE_RESULT_DOMAIN,
