@@ -305,3 +305,116 @@ fn evaluations_accept_or_dispute_and_a_hostile_evaluator_never_passes() {
     assert_eq!(view["run"], 2, "{view}");
     assert_eq!(view["report"]["outcome"], "not-evaluated", "{view}");
 }
+
+/// The worked example (`docs/examples/numpy-train`) as a requester runs it: `make.sh`,
+/// then `cannabis job submit job.toml`. A worker trains the model in its sandbox, the
+/// requester's node scores it on held-out data the worker never saw, and the escrow pays
+/// the worker; the same job trained for one epoch instead is disputed.
+#[test]
+fn the_numpy_example_trains_on_a_worker_is_evaluated_and_settles() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: programs run in the sandbox only where the executor is root");
+        return;
+    }
+    // The sandbox's PATH: what its `python3` is.
+    let path = "/usr/local/bin:/usr/bin:/bin";
+    let numpy = Command::new("python3")
+        .args(["-c", "import numpy"])
+        .env("PATH", path)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !numpy {
+        eprintln!("skipped: python3 with numpy is not installed (Debian: python3-numpy)");
+        return;
+    }
+    let dir = super::exec::open_dir();
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples/numpy-train");
+    let work = dir.path().join("numpy-train");
+    std::fs::create_dir_all(&work).unwrap();
+    for f in ["data.py", "train.py", "evaluate.py", "job.toml", "make.sh"] {
+        std::fs::copy(example.join(f), work.join(f)).unwrap();
+    }
+    let made = Command::new("sh")
+        .arg("make.sh")
+        .current_dir(&work)
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let job = std::fs::read_to_string(work.join("job.toml")).unwrap();
+    let one_epoch = job
+        .replace("\"--epochs\", \"100\"", "\"--epochs\", \"1\"")
+        .replace("name = \"numpy-train\"", "name = \"numpy-train-1-epoch\"");
+    assert_ne!(job, one_epoch);
+    std::fs::write(work.join("one-epoch.toml"), one_epoch).unwrap();
+
+    let net = Testnet::up(&dir.path().join("net"), 3);
+    let nodes = net.nodes();
+    let requester = &nodes[1];
+    super::testnet::wait_for_workers(requester, 3);
+    // One after the other: the testnet's one worker with a whole free core takes one.
+    let submit = |file: &str| {
+        let o = cannabis(
+            requester,
+            &[
+                "job",
+                "submit",
+                work.join(file).to_str().unwrap(),
+                "--yes",
+                "--json",
+            ],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let published: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        published["job_id"].as_str().unwrap().to_string()
+    };
+    let id = submit("job.toml");
+    let trained = wait_job(requester, &id, 240, "the trained model's settlement", |j| {
+        matches!(stage(j), Some(Stage::Settled { .. }))
+    });
+    let report = reported(&trained).unwrap();
+    assert_eq!(
+        report.outcome,
+        EvaluationOutcome::Passed,
+        "{}",
+        report.reason
+    );
+    let accuracy = report
+        .metrics
+        .iter()
+        .find(|m| m.name == "accuracy")
+        .unwrap();
+    assert!(accuracy.value.0 >= 900_000, "{report:?}");
+    assert!(report.criteria.iter().all(|c| c.passed));
+    let e = trained.escrow.as_ref().unwrap();
+    let price = trained.tasks[0].ranks[0].price.0;
+    assert!(
+        matches!(
+            stage(&trained),
+            Some(Stage::Settled { outcome: Outcome::Accepted, worker_paid, .. })
+                if worker_paid.0 == price - price / 100
+        ),
+        "{e:#?}"
+    );
+
+    let one_epoch = submit("one-epoch.toml");
+    let untrained = wait_job(
+        requester,
+        &one_epoch,
+        240,
+        "the one-epoch model's dispute",
+        |j| matches!(stage(j), Some(Stage::Disputed { .. })),
+    );
+    let report = reported(&untrained).unwrap();
+    assert_eq!(
+        report.outcome,
+        EvaluationOutcome::Failed,
+        "{}",
+        report.reason
+    );
+    assert!(report.reason.contains("accuracy"), "{}", report.reason);
+}
