@@ -545,6 +545,50 @@ pub(crate) enum TestnetCommand {
         #[arg(long, default_value = ".testnet")]
         dir: PathBuf,
     },
+    /// Every node of a testnet: running, paused or stopped, its pid, peers and ledger
+    /// height.
+    Status {
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+        #[command(flatten)]
+        format: Format,
+    },
+    /// Kill a node at once (SIGKILL), as a crash would: its peers see its connections
+    /// drop, its leases lapse. `restart` brings it back.
+    Kill {
+        /// The node's index.
+        node: usize,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
+    /// Start a node again as it was started (stopping it first if it runs), with its data
+    /// directory as it was left: it recovers from its store and catches up.
+    Restart {
+        /// The node's index.
+        node: usize,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
+    /// Freeze a node (SIGSTOP), as a hung process or a machine put to sleep: its sockets
+    /// stay open and silent. `resume` lets it go on.
+    Pause {
+        /// The node's index.
+        node: usize,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
+    /// Let a paused node go on (SIGCONT).
+    Resume {
+        /// The node's index.
+        node: usize,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
     /// Attack a local testnet's nodes as one hostile party would, several attacks at once,
     /// for a while: an offer flood from one key, garbage and forged gossip, sync pages and
     /// greedy challenges without end, idle sockets. Loopback targets only.

@@ -37,6 +37,7 @@ pub struct NodeProc {
     /// Its API client.
     pub client: ApiClient,
     child: Option<Child>,
+    args: Vec<String>,
 }
 
 /// `testnet.json`: what `cannabis testnet down` needs to stop a testnet.
@@ -51,6 +52,9 @@ struct RecordNode {
     data_dir: PathBuf,
     api: String,
     peer_id: String,
+    /// The node's command line after the binary (`testnet restart` starts it again so).
+    #[serde(default)]
+    args: Vec<String>,
 }
 
 /// A running testnet. Dropping it stops the nodes.
@@ -102,14 +106,19 @@ impl Testnet {
         });
         let mut starting = starting.into_iter().enumerate();
         let ready = started.and_then(|()| {
-            for (i, (data_dir, child)) in starting.by_ref() {
-                net.nodes
-                    .push(wait_ready(i + 1, data_dir, child, opts.ready_timeout)?);
+            for (i, (data_dir, child, args)) in starting.by_ref() {
+                net.nodes.push(wait_ready(
+                    i + 1,
+                    data_dir,
+                    child,
+                    args,
+                    opts.ready_timeout,
+                )?);
             }
             anyhow::Ok(())
         });
         if let Err(e) = ready {
-            for (_, (_, mut child)) in starting {
+            for (_, (_, mut child, _)) in starting {
                 let _ = child.kill();
                 let _ = child.wait();
             }
@@ -119,17 +128,18 @@ impl Testnet {
         Ok(net)
     }
 
-    /// How many of its nodes still run.
+    /// How many of its nodes still run: those it started and those `testnet restart`
+    /// started again (its children that ended are reaped).
     pub fn running(&mut self) -> usize {
-        let mut running = 0;
+        let mut children = 0;
         for n in &mut self.nodes {
             if let Some(c) = n.child.as_mut()
                 && matches!(c.try_wait(), Ok(None))
             {
-                running += 1;
+                children += 1;
             }
         }
-        running
+        live_pids(&self.dir).map_or(children, |p| p.len().max(children))
     }
 
     fn write_record(&self) -> anyhow::Result<()> {
@@ -142,6 +152,7 @@ impl Testnet {
                     data_dir: n.data_dir.clone(),
                     api: n.info.api.clone().unwrap_or_default(),
                     peer_id: n.info.peer_id.clone(),
+                    args: n.args.clone(),
                 })
                 .collect(),
         };
@@ -210,8 +221,12 @@ impl Testnet {
 
     /// Stops every node: SIGTERM, then SIGKILL after five seconds.
     pub fn stop(&mut self) {
+        // Nodes started again by `testnet restart` are not this process's children: they
+        // are stopped through the record, as `testnet down` does.
+        let _ = down(&self.dir);
         for node in &self.nodes {
             let _ = kill(Pid::from_raw(node.info.pid as i32), Signal::SIGTERM);
+            let _ = kill(Pid::from_raw(node.info.pid as i32), Signal::SIGCONT);
         }
         let deadline = Instant::now() + Duration::from_secs(5);
         for node in &mut self.nodes {
@@ -295,7 +310,9 @@ fn dial_addr(info: &NodeInfo) -> anyhow::Result<String> {
 pub fn down(dir: &Path) -> anyhow::Result<usize> {
     let pids = live_pids(dir)?;
     for pid in &pids {
+        // A paused node takes the signal once it goes on.
         let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
+        let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGCONT);
     }
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline && pids.iter().any(|p| alive(*p)) {
@@ -310,6 +327,200 @@ pub fn down(dir: &Path) -> anyhow::Result<usize> {
     Ok(pids.len())
 }
 
+/// A fault given to one node of a running testnet, by signal: what a crash, a hung
+/// process or a machine put to sleep does to its peers (connections time out; leases lapse).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// `SIGKILL`: gone at once, nothing flushed but what its store made durable.
+    Kill,
+    /// `SIGSTOP`: frozen, its sockets open and silent.
+    Pause,
+    /// `SIGCONT`: a paused node goes on.
+    Resume,
+}
+
+/// Where a process of a testnet stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProcState {
+    /// Running.
+    Running,
+    /// Stopped by `SIGSTOP` (`testnet pause`).
+    Paused,
+    /// Not running.
+    Stopped,
+}
+
+/// One node of a recorded testnet, as `testnet status` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct NodeStatus {
+    /// Its position.
+    pub index: usize,
+    /// Its process, while it runs.
+    pub pid: Option<u32>,
+    /// Running, paused or stopped.
+    pub state: ProcState,
+    /// Its data directory.
+    pub data_dir: PathBuf,
+    /// Peers it is connected to (asked of a running node).
+    pub peers: Option<usize>,
+    /// The last ledger block it holds (asked of a running node).
+    pub height: Option<u64>,
+}
+
+fn read_record(dir: &Path) -> anyhow::Result<Record> {
+    let path = dir.join("testnet.json");
+    let text = fs::read_to_string(&path).with_context(|| {
+        format!(
+            "no testnet is recorded in {} (start one with `cannabis testnet up --dir {}`)",
+            dir.display(),
+            dir.display()
+        )
+    })?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The pid of `node` if it runs a node of this testnet (its command line names the data
+/// directory, so a reused pid is never taken for it).
+fn running_pid(node: &RecordNode) -> Option<u32> {
+    fs::read(format!("/proc/{}/cmdline", node.pid))
+        .ok()
+        .filter(|c| {
+            String::from_utf8_lossy(c)
+                .replace('\0', " ")
+                .contains(&*node.data_dir.to_string_lossy())
+        })
+        .map(|_| node.pid)
+}
+
+/// `R`, `S`, `T`, ... from `/proc/<pid>/stat`.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the state follows the last.
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+fn state_of(node: &RecordNode) -> ProcState {
+    match running_pid(node).and_then(proc_state) {
+        None | Some('Z' | 'X') => ProcState::Stopped,
+        Some('T' | 't') => ProcState::Paused,
+        Some(_) => ProcState::Running,
+    }
+}
+
+fn node_of(record: &Record, dir: &Path, index: usize) -> anyhow::Result<usize> {
+    anyhow::ensure!(
+        index < record.nodes.len(),
+        "the testnet in {} has nodes 0 to {}",
+        dir.display(),
+        record.nodes.len().saturating_sub(1)
+    );
+    Ok(index)
+}
+
+/// Gives node `index` of the testnet in `dir` a fault; returns its pid.
+pub fn fault(dir: &Path, index: usize, fault: Fault) -> anyhow::Result<u32> {
+    let record = read_record(dir)?;
+    let node = &record.nodes[node_of(&record, dir, index)?];
+    let Some(pid) = running_pid(node) else {
+        bail!("node {index} is not running (start it with `cannabis testnet restart {index}`)");
+    };
+    let target = Pid::from_raw(pid as i32);
+    match fault {
+        Fault::Kill => {
+            kill(target, Signal::SIGKILL).with_context(|| format!("killing node {index}"))?;
+            let until = Instant::now() + Duration::from_secs(5);
+            while state_of(node) != ProcState::Stopped {
+                anyhow::ensure!(Instant::now() < until, "node {index} did not die");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Fault::Pause => {
+            kill(target, Signal::SIGSTOP).with_context(|| format!("pausing node {index}"))?;
+            let until = Instant::now() + Duration::from_secs(5);
+            while state_of(node) != ProcState::Paused {
+                anyhow::ensure!(Instant::now() < until, "node {index} did not stop");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Fault::Resume => {
+            kill(target, Signal::SIGCONT).with_context(|| format!("resuming node {index}"))?;
+        }
+    }
+    Ok(pid)
+}
+
+/// Starts node `index` of the testnet in `dir` again, as it was started (stopping it
+/// first if it runs), and waits until its API answers: its new pid is recorded.
+pub fn restart(
+    dir: &Path,
+    binary: &Path,
+    index: usize,
+    timeout: Duration,
+) -> anyhow::Result<NodeInfo> {
+    let mut record = read_record(dir)?;
+    let at = node_of(&record, dir, index)?;
+    let node = &record.nodes[at];
+    anyhow::ensure!(
+        !node.args.is_empty(),
+        "node {index}'s command line is not recorded (a testnet started by an older version)"
+    );
+    if let Some(pid) = running_pid(node) {
+        let target = Pid::from_raw(pid as i32);
+        let _ = kill(target, Signal::SIGCONT);
+        let _ = kill(target, Signal::SIGTERM);
+        let until = Instant::now() + Duration::from_secs(10);
+        while state_of(node) != ProcState::Stopped && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if state_of(node) != ProcState::Stopped {
+            let _ = kill(target, Signal::SIGKILL);
+        }
+    }
+    let data_dir = node.data_dir.clone();
+    let _ = fs::remove_file(data_dir.join("node.json"));
+    let child =
+        launch(binary, &data_dir, &node.args).with_context(|| format!("starting node {index}"))?;
+    let started = wait_ready(index, data_dir, child, node.args.clone(), timeout)?;
+    record.nodes[at].pid = started.info.pid;
+    record.nodes[at].api = started.info.api.clone().unwrap_or_default();
+    let path = dir.join("testnet.json");
+    fs::write(&path, serde_json::to_string_pretty(&record)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(started.info)
+}
+
+/// Every node of the testnet in `dir`: its process and, for a running one, its peers and
+/// ledger height.
+pub fn status(dir: &Path) -> anyhow::Result<Vec<NodeStatus>> {
+    let record = read_record(dir)?;
+    Ok(record
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(index, n)| {
+            let state = state_of(n);
+            let client = (state == ProcState::Running)
+                .then(|| ApiClient::from_data_dir(&n.data_dir).ok())
+                .flatten();
+            NodeStatus {
+                index,
+                pid: (state != ProcState::Stopped).then_some(n.pid),
+                state,
+                data_dir: n.data_dir.clone(),
+                peers: client
+                    .as_ref()
+                    .and_then(|c| c.status().ok())
+                    .map(|s| s.connected_peers),
+                height: client
+                    .as_ref()
+                    .and_then(|c| c.ledger().ok())
+                    .map(|l| l.height),
+            }
+        })
+        .collect())
+}
+
 /// Pids from `testnet.json` that still run a node of this testnet (the command line names
 /// the node's data directory, so a reused pid is never signalled).
 fn live_pids(dir: &Path) -> anyhow::Result<Vec<u32>> {
@@ -321,26 +532,12 @@ fn live_pids(dir: &Path) -> anyhow::Result<Vec<u32>> {
     };
     let record: Record =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    Ok(record
-        .nodes
-        .iter()
-        .filter(|n| {
-            fs::read(format!("/proc/{}/cmdline", n.pid))
-                .map(|c| {
-                    let cmd = String::from_utf8_lossy(&c).replace('\0', " ");
-                    cmd.contains(&*n.data_dir.to_string_lossy())
-                })
-                .unwrap_or(false)
-        })
-        .map(|n| n.pid)
-        .collect())
+    Ok(record.nodes.iter().filter_map(running_pid).collect())
 }
 
+/// Whether `pid` runs (a zombie, dead and not yet reaped by its parent, does not).
 fn alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| s.contains(") Z "))
-            .unwrap_or(true)
+    !matches!(proc_state(pid), None | Some('Z' | 'X'))
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -370,8 +567,8 @@ fn spawn(
     bootstrap: Option<&str>,
     network: &Network,
 ) -> anyhow::Result<NodeProc> {
-    let (data_dir, child) = start_process(opts, index, bootstrap, network)?;
-    wait_ready(index, data_dir, child, opts.ready_timeout)
+    let (data_dir, child, args) = start_process(opts, index, bootstrap, network)?;
+    wait_ready(index, data_dir, child, args, opts.ready_timeout)
 }
 
 /// Creates the keys of every node's data directory that has none, 16 at a time.
@@ -579,7 +776,7 @@ fn start_process(
     index: usize,
     bootstrap: Option<&str>,
     network: &Network,
-) -> anyhow::Result<(PathBuf, Child)> {
+) -> anyhow::Result<(PathBuf, Child, Vec<String>)> {
     let data_dir = opts.dir.join(format!("node-{index}"));
     ensure_keys(&opts.binary, &data_dir, &format!("node {index}"))?;
     let _ = fs::remove_file(data_dir.join("node.json"));
@@ -588,37 +785,39 @@ fn start_process(
         fs::write(&config, node_config(index, &network.fee_recipient))
             .with_context(|| format!("writing {}", config.display()))?;
     }
+    let path = |p: &Path| p.to_string_lossy().into_owned();
+    let mut args: Vec<String> = vec!["--data-dir".into(), path(&data_dir)];
+    args.extend(["node", "run", "--testnet", "--no-mdns"].map(String::from));
+    args.extend(["--config".into(), path(&config)]);
+    // TCP only: on loopback QUIC buys nothing, and a second transport doubles every
+    // pair's connections (and each QUIC endpoint seeds its own entropy at start).
+    args.extend(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"].map(String::from));
+    args.extend(["--genesis".into(), path(&network.genesis)]);
+    if index == 0 {
+        // Node 0 sequences the ledger (the genesis names its key).
+        args.push("--ledger".into());
+    }
+    if let Some(b) = bootstrap {
+        args.extend(["--bootstrap".into(), b.to_string()]);
+    }
+    let child =
+        launch(&opts.binary, &data_dir, &args).with_context(|| format!("starting node {index}"))?;
+    Ok((data_dir, child, args))
+}
+
+/// Starts `binary args` as a node with its output appended to its `node.log`.
+fn launch(binary: &Path, data_dir: &Path, args: &[String]) -> anyhow::Result<Child> {
     let log = fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(data_dir.join("node.log"))
         .context("opening the node log")?;
-    let mut cmd = Command::new(&opts.binary);
-    cmd.arg("--data-dir")
-        .arg(&data_dir)
-        .args(["node", "run", "--testnet", "--no-mdns"])
-        .arg("--config")
-        .arg(&config)
-        // TCP only: on loopback QUIC buys nothing, and a second transport doubles every
-        // pair's connections (and each QUIC endpoint seeds its own entropy at start).
-        .args(["--listen", "/ip4/127.0.0.1/tcp/0"])
-        .args(["--api", "127.0.0.1:0"])
-        .arg("--genesis")
-        .arg(&network.genesis);
-    if index == 0 {
-        // Node 0 sequences the ledger (the genesis names its key).
-        cmd.arg("--ledger");
-    }
-    if let Some(b) = bootstrap {
-        cmd.args(["--bootstrap", b]);
-    }
-    let child = cmd
+    Ok(Command::new(binary)
+        .args(args)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
-        .spawn()
-        .with_context(|| format!("starting node {index}"))?;
-    Ok((data_dir, child))
+        .spawn()?)
 }
 
 /// The configuration of testnet node `index`: its workers differ, so that placement by
@@ -665,6 +864,7 @@ fn wait_ready(
     index: usize,
     data_dir: PathBuf,
     mut child: Child,
+    args: Vec<String>,
     timeout: Duration,
 ) -> anyhow::Result<NodeProc> {
     let started = Instant::now();
@@ -687,6 +887,7 @@ fn wait_ready(
                 info,
                 client,
                 child: Some(child),
+                args,
             });
         }
         if started.elapsed() > timeout {

@@ -196,6 +196,64 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             ])?;
             Ok(())
         }
+        TestnetCommand::Status { dir, format } => {
+            let nodes = launcher::status(&dir)?;
+            if format.json {
+                return output::json(&nodes);
+            }
+            out!(
+                "{:<6} {:<9} {:<8} {:>6} {:>7}  data dir",
+                "node",
+                "state",
+                "pid",
+                "peers",
+                "height"
+            )?;
+            let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            for n in &nodes {
+                let state = match n.state {
+                    launcher::ProcState::Running => "running",
+                    launcher::ProcState::Paused => "paused",
+                    launcher::ProcState::Stopped => "stopped",
+                };
+                out!(
+                    "{:<6} {:<9} {:<8} {:>6} {:>7}  {}",
+                    n.index,
+                    state,
+                    or_dash(n.pid.map(|p| p.to_string())),
+                    or_dash(n.peers.map(|p| p.to_string())),
+                    or_dash(n.height.map(|h| h.to_string())),
+                    n.data_dir.display()
+                )?;
+            }
+            Ok(())
+        }
+        TestnetCommand::Kill { node, dir } => {
+            let pid = launcher::fault(&dir, node, launcher::Fault::Kill)?;
+            out!(
+                "node {node} killed (pid {pid}); `cannabis testnet restart {node}` brings it back"
+            )?;
+            Ok(())
+        }
+        TestnetCommand::Pause { node, dir } => {
+            let pid = launcher::fault(&dir, node, launcher::Fault::Pause)?;
+            out!("node {node} paused (pid {pid}); `cannabis testnet resume {node}` lets it go on")?;
+            Ok(())
+        }
+        TestnetCommand::Resume { node, dir } => {
+            let pid = launcher::fault(&dir, node, launcher::Fault::Resume)?;
+            out!("node {node} resumed (pid {pid})")?;
+            Ok(())
+        }
+        TestnetCommand::Restart { node, dir } => {
+            let info = launcher::restart(&dir, &binary, node, Duration::from_secs(60))?;
+            out!(
+                "node {node} started again (pid {}, api {})",
+                info.pid,
+                info.api.as_deref().unwrap_or("-")
+            )?;
+            Ok(())
+        }
         TestnetCommand::Down { dir } => {
             let n = launcher::down(&dir)?;
             out!("stopped {n} nodes of the testnet in {}", dir.display())?;

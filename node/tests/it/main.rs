@@ -8,6 +8,7 @@ mod disk;
 mod evaluate;
 mod exec;
 mod exec_restart;
+mod faults;
 mod hostile;
 mod ledger;
 mod market;

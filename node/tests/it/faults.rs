@@ -1,0 +1,131 @@
+//! Fault injection on a testnet of real processes, as a researcher drives it from another
+//! shell: `cannabis testnet status|kill|restart|pause|resume`, each seen to take effect.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::settle::{cannabis, client};
+use super::testnet::Testnet;
+
+/// `testnet status --json`: each node's state and pid.
+fn status(dir: &Path, net: &Path) -> Vec<(String, Option<u32>)> {
+    let o = cannabis(
+        dir,
+        &[
+            "testnet",
+            "status",
+            "--json",
+            "--dir",
+            net.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["state"].as_str().unwrap().to_string(),
+                n["pid"].as_u64().map(|p| p as u32),
+            )
+        })
+        .collect()
+}
+
+fn testnet(dir: &Path, net: &Path, args: &[&str]) -> String {
+    let mut all = vec!["testnet"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--dir", net.to_str().unwrap()]);
+    let o = cannabis(dir, &all);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Waits up to 30 s for node `at` to be connected to `peers` peers.
+fn wait_peers(at: &Path, peers: usize) {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = client(at).status().map(|s| s.connected_peers).unwrap_or(0);
+        if n == peers {
+            return;
+        }
+        assert!(Instant::now() < until, "{n} peers, not {peers}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+#[test]
+fn kill_restart_pause_and_resume_each_take_effect() {
+    let dir = tempfile::tempdir().unwrap();
+    let net_dir = dir.path().join("net");
+    let net = Testnet::up(&net_dir, 3);
+    let nodes = net.nodes();
+    let cli = dir.path().join("cli");
+    wait_peers(&nodes[0], 2);
+    let before = status(&cli, &net_dir);
+    assert!(
+        before.iter().all(|(s, p)| s == "running" && p.is_some()),
+        "{before:?}"
+    );
+    let text = testnet(&cli, &net_dir, &["status"]);
+    assert!(text.contains("running"), "{text}");
+
+    // Killed: the process is gone, and its peers lose it.
+    let killed = before[2].1.unwrap();
+    let out = testnet(&cli, &net_dir, &["kill", "2"]);
+    assert!(out.contains("node 2 killed"), "{out}");
+    assert!(matches!(process_state(killed), None | Some('Z')));
+    assert_eq!(status(&cli, &net_dir)[2], ("stopped".into(), None));
+    wait_peers(&nodes[0], 1);
+    // Nothing to kill, pause or resume now: a clear error.
+    let o = cannabis(
+        &cli,
+        &["testnet", "kill", "2", "--dir", net_dir.to_str().unwrap()],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not running"));
+    let o = cannabis(
+        &cli,
+        &["testnet", "kill", "9", "--dir", net_dir.to_str().unwrap()],
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nodes 0 to 2"));
+
+    // Restarted: a new process, from its own store, back in the network.
+    let out = testnet(&cli, &net_dir, &["restart", "2"]);
+    assert!(out.contains("node 2 started again"), "{out}");
+    let now = status(&cli, &net_dir);
+    let restarted = now[2].1.unwrap();
+    assert_eq!(now[2].0, "running");
+    assert_ne!(restarted, killed);
+    wait_peers(&nodes[0], 2);
+    wait_peers(&nodes[2], 2);
+
+    // Paused: frozen (stopped by the kernel), then going on again.
+    let paused = now[1].1.unwrap();
+    testnet(&cli, &net_dir, &["pause", "1"]);
+    assert_eq!(process_state(paused), Some('T'));
+    assert_eq!(status(&cli, &net_dir)[1].0, "paused");
+    testnet(&cli, &net_dir, &["resume", "1"]);
+    assert_ne!(process_state(paused), Some('T'));
+    assert_eq!(status(&cli, &net_dir)[1].0, "running");
+    assert!(client(&nodes[1]).status().is_ok());
+
+    // `testnet down` stops every node, the restarted one (no child of `testnet up`) too.
+    testnet(&cli, &net_dir, &["down"]);
+    let until = Instant::now() + Duration::from_secs(10);
+    while matches!(process_state(restarted), Some(s) if s != 'Z') {
+        assert!(Instant::now() < until, "the restarted node still runs");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(net);
+}
