@@ -129,6 +129,7 @@ pub fn serve(
         .route("/v1/jobs/{id}/dispute", post(judge_job))
         .route("/v1/jobs/{id}/evaluate", post(judge_job))
         .route("/v1/leases", get(leases))
+        .route("/v1/testnet/partition", post(partition))
         .route("/v1/ledger", get(ledger_status))
         .route("/v1/ledger/blocks", get(ledger_blocks))
         .route("/v1/ledger/blocks/{height}", get(ledger_block))
@@ -394,6 +395,23 @@ async fn cancel_job(
         .cancel_job(id)
         .await
         .map(Json)
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn partition(
+    State(s): State<AppState>,
+    Json(body): Json<api::Partition>,
+) -> Result<Json<api::Partition>, Error> {
+    let peers = body
+        .peers
+        .iter()
+        .map(|p| p.parse::<libp2p::PeerId>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("a peer id: {e}")))?;
+    s.node
+        .partition(peers)
+        .await
+        .map(|_| Json(body))
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
 }
 

@@ -581,6 +581,23 @@ pub(crate) enum TestnetCommand {
         #[arg(long, default_value = ".testnet")]
         dir: PathBuf,
     },
+    /// Split the network: each group (comma-separated node indices, every node in one)
+    /// is cut off from the others until `heal`. Enforced by connection gating in the
+    /// nodes: each refuses and drops connections to the other sides' peers.
+    Partition {
+        /// The groups, e.g. `0,1 2,3`.
+        #[arg(required = true, num_args = 2.., value_name = "NODES")]
+        groups: Vec<String>,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
+    /// End a partition: every node may connect to every other again.
+    Heal {
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
     /// Let a paused node go on (SIGCONT).
     Resume {
         /// The node's index.

@@ -102,6 +102,9 @@ pub(crate) enum Command {
         cannabis_protocol::Uuid,
         oneshot::Sender<anyhow::Result<api::JobSummary>>,
     ),
+    /// On a testnet: refuse these peers until told otherwise (a partition), dropping
+    /// connections to them; peers no longer named may connect (and are dialled) again.
+    Partition(Vec<PeerId>, oneshot::Sender<anyhow::Result<usize>>),
     JudgeJob(
         cannabis_protocol::Uuid,
         api::Verdict,
@@ -313,6 +316,9 @@ pub(crate) struct Node {
     app_scores: HashMap<PeerId, f64>,
     /// Graylisted peers refused at their handshake, oldest first (see `drop_graylisted`).
     blocked: std::collections::VecDeque<PeerId>,
+    /// Peers a testnet partition cuts this node off from (`cannabis testnet partition`):
+    /// refused until healed, whatever their score.
+    partitioned: std::collections::HashSet<PeerId>,
     /// Runtimes and collectives, once probed.
     software: Option<Software>,
     /// The machine as last probed.
@@ -485,6 +491,7 @@ pub async fn start(
         dialing: std::collections::HashSet::new(),
         app_scores: HashMap::new(),
         blocked: std::collections::VecDeque::new(),
+        partitioned: std::collections::HashSet::new(),
         software: None,
         probe: None,
         ad_unheard: false,
@@ -1009,6 +1016,9 @@ impl Node {
                     .and_then(|_| self.refuse_if_safe())
                     .and_then(|()| self.job_detail(&id));
                 let _ = reply.send(detail);
+            }
+            Command::Partition(peers, reply) => {
+                let _ = reply.send(self.partition(peers));
             }
             Command::CancelJob(id, reply) => {
                 let done = self.refuse_if_safe().and_then(|()| {
@@ -1552,7 +1562,7 @@ impl Node {
         let mut blocked = std::mem::take(&mut self.blocked);
         blocked.retain(|peer| {
             let still = self.graylisted(peer);
-            if !still {
+            if !still && !self.partitioned.contains(peer) {
                 debug!(%peer, "no longer graylisted: may connect again");
                 self.swarm.behaviour_mut().blocked.unblock_peer(*peer);
             }
@@ -1581,10 +1591,38 @@ impl Node {
             self.blocked.push_back(peer);
             if self.blocked.len() > MAX_BLOCKED
                 && let Some(oldest) = self.blocked.pop_front()
+                && !self.partitioned.contains(&oldest)
             {
                 self.swarm.behaviour_mut().blocked.unblock_peer(oldest);
             }
         }
+    }
+
+    /// A testnet partition: `peers` are refused (their connections dropped) until a later
+    /// partition leaves them out; those it leaves out may connect again and are dialled.
+    /// Enforced by the swarm's block list, on this node's side of every connection.
+    fn partition(&mut self, peers: Vec<PeerId>) -> anyhow::Result<usize> {
+        anyhow::ensure!(
+            self.market_config.attestation.testnet,
+            "only a testnet node (`node run --testnet`) takes a partition"
+        );
+        let new: std::collections::HashSet<PeerId> = peers.into_iter().collect();
+        let healed: Vec<PeerId> = self.partitioned.difference(&new).copied().collect();
+        for peer in &new {
+            self.swarm.behaviour_mut().blocked.block_peer(*peer);
+            let _ = self.swarm.disconnect_peer_id(*peer);
+        }
+        self.partitioned = new;
+        for peer in healed {
+            if !self.blocked.contains(&peer) {
+                self.swarm.behaviour_mut().blocked.unblock_peer(peer);
+                if let Err(e) = self.swarm.dial(peer) {
+                    debug!(%peer, error = %e, "not dialled after the partition healed");
+                }
+            }
+        }
+        info!(peers = self.partitioned.len(), "testnet partition set");
+        Ok(self.partitioned.len())
     }
 
     fn penalize(&mut self, peer: PeerId, by: f64, why: &str) {

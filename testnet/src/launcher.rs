@@ -490,6 +490,73 @@ pub fn restart(
     Ok(started.info)
 }
 
+/// Splits the testnet in `dir` into `groups` (every node in exactly one): each node
+/// refuses the nodes of the other groups until [`heal`]. Enforced in the nodes
+/// (connection gating by their swarm's block list), so it needs no privileges and holds
+/// for every transport and relay alike.
+pub fn partition(dir: &Path, groups: &[Vec<usize>]) -> anyhow::Result<()> {
+    let record = read_record(dir)?;
+    let n = record.nodes.len();
+    anyhow::ensure!(groups.len() >= 2, "a partition needs at least two groups");
+    let mut side = vec![None; n];
+    for (g, group) in groups.iter().enumerate() {
+        for &i in group {
+            node_of(&record, dir, i)?;
+            anyhow::ensure!(side[i].is_none(), "node {i} is named twice");
+            side[i] = Some(g);
+        }
+    }
+    if let Some(i) = side.iter().position(Option::is_none) {
+        bail!("node {i} is in no group: name every node (one left out would bridge the sides)");
+    }
+    tell_partition(dir, &record, |i, j| side[i] != side[j])
+}
+
+/// Ends a [`partition`]: every node may connect to every other again (and dials them).
+pub fn heal(dir: &Path) -> anyhow::Result<()> {
+    let record = read_record(dir)?;
+    tell_partition(dir, &record, |_, _| false)
+}
+
+/// Tells every node which others it refuses: node `i` refuses `j` when `cut(i, j)`.
+fn tell_partition(
+    dir: &Path,
+    record: &Record,
+    cut: impl Fn(usize, usize) -> bool,
+) -> anyhow::Result<()> {
+    for (i, node) in record.nodes.iter().enumerate() {
+        match state_of(node) {
+            ProcState::Running => {}
+            other => bail!(
+                "node {i} is {}: every node must run to take a partition (`cannabis testnet \
+                 status --dir {}`)",
+                if other == ProcState::Paused {
+                    "paused"
+                } else {
+                    "stopped"
+                },
+                dir.display()
+            ),
+        }
+    }
+    for (i, node) in record.nodes.iter().enumerate() {
+        let peers = record
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| cut(i, *j))
+            .map(|(_, n)| n.peer_id.clone())
+            .collect();
+        ApiClient::from_data_dir(&node.data_dir)?
+            .post::<_, cannabis_api::Partition>(
+                "/v1/testnet/partition",
+                &cannabis_api::Partition { peers },
+            )
+            .with_context(|| format!("telling node {i}"))?;
+    }
+    Ok(())
+}
+
 /// Every node of the testnet in `dir`: its process and, for a running one, its peers and
 /// ledger height.
 pub fn status(dir: &Path) -> anyhow::Result<Vec<NodeStatus>> {

@@ -704,6 +704,14 @@ pub enum Verdict {
     Evaluate,
 }
 
+/// `POST /v1/testnet/partition` (testnet nodes only): the peers this node refuses until
+/// the next call, which replaces the list (empty: healed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Partition {
+    /// Peer ids.
+    pub peers: Vec<String>,
+}
+
 /// `POST /v1/ledger/submit`: a transaction signed elsewhere (by a key this node does not
 /// hold, such as the network's resolver), for the node to hand its sequencer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

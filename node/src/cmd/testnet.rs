@@ -245,6 +245,40 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             out!("node {node} resumed (pid {pid})")?;
             Ok(())
         }
+        TestnetCommand::Partition { groups, dir } => {
+            let groups = groups
+                .iter()
+                .map(|g| {
+                    g.split(',')
+                        .map(|i| {
+                            i.trim()
+                                .parse::<usize>()
+                                .with_context(|| format!("{g:?}: node indices, e.g. 0,1"))
+                        })
+                        .collect::<anyhow::Result<Vec<usize>>>()
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            launcher::partition(&dir, &groups)?;
+            let sides: Vec<String> = groups
+                .iter()
+                .map(|g| {
+                    g.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .collect();
+            out!(
+                "partitioned: {} (`cannabis testnet heal` ends it)",
+                sides.join(" | ")
+            )?;
+            Ok(())
+        }
+        TestnetCommand::Heal { dir } => {
+            launcher::heal(&dir)?;
+            out!("healed: every node may connect to every other again")?;
+            Ok(())
+        }
         TestnetCommand::Restart { node, dir } => {
             let info = launcher::restart(&dir, &binary, node, Duration::from_secs(60))?;
             out!(

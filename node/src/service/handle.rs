@@ -203,6 +203,11 @@ impl NodeHandle {
         self.ask(|tx| Command::CancelJob(id, tx)).await?
     }
 
+    /// On a testnet: refuses these peers until a later call leaves them out.
+    pub async fn partition(&self, peers: Vec<PeerId>) -> anyhow::Result<usize> {
+        self.ask(|tx| Command::Partition(peers, tx)).await?
+    }
+
     /// Accepts or disputes what a job delivered.
     pub async fn judge_job(
         &self,

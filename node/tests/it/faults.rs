@@ -129,3 +129,89 @@ fn kill_restart_pause_and_resume_each_take_effect() {
     }
     drop(net);
 }
+
+fn sees_offer(node: &Path, job: &str) -> bool {
+    client(node)
+        .get::<Vec<cannabis_api::Offer>>("/v1/market/offers")
+        .is_ok_and(|o| o.iter().any(|o| o.job_id == job))
+}
+
+/// A partition stops connections and gossip across it, and healing restores both.
+#[test]
+fn a_partition_stops_gossip_across_it_and_heal_restores_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let net_dir = dir.path().join("net");
+    let net = Testnet::up(&net_dir, 4);
+    let nodes = net.nodes();
+    let cli = dir.path().join("cli");
+    wait_peers(&nodes[0], 3);
+    wait_peers(&nodes[3], 3);
+
+    let out = testnet(&cli, &net_dir, &["partition", "0,1", "2,3"]);
+    assert!(out.contains("0,1 | 2,3"), "{out}");
+    for n in &nodes {
+        wait_peers(n, 1);
+    }
+    // Every node named once, every node up: clear errors otherwise.
+    let o = cannabis(
+        &cli,
+        &[
+            "testnet",
+            "partition",
+            "0,1",
+            "2",
+            "--dir",
+            net_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("node 3 is in no group"));
+
+    // An offer published on one side reaches that side only (its bid window outlasts
+    // the test: an expired offer is dropped, and would not cross anyway).
+    let file = dir.path().join("job.toml");
+    std::fs::write(
+        &file,
+        "deadline = \"10m\"\nbid_window = \"5m\"\n[[task]]\nname = \"t\"\nbudget = 1000\n\
+         [task.workload]\nadapter = \"synthetic\"\n",
+    )
+    .unwrap();
+    let o = cannabis(
+        &nodes[1],
+        &["job", "submit", file.to_str().unwrap(), "--yes", "--json"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let published: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let job = published["job_id"].as_str().unwrap().to_string();
+    let until = Instant::now() + Duration::from_secs(30);
+    while !sees_offer(&nodes[0], &job) {
+        assert!(
+            Instant::now() < until,
+            "the offer did not reach its own side"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        !sees_offer(&nodes[2], &job),
+        "the offer crossed the partition"
+    );
+    assert!(
+        !sees_offer(&nodes[3], &job),
+        "the offer crossed the partition"
+    );
+
+    // Healed: connected again, and the other side catches up on the offer.
+    testnet(&cli, &net_dir, &["heal"]);
+    for n in &nodes {
+        wait_peers(n, 3);
+    }
+    let until = Instant::now() + Duration::from_secs(30);
+    while !(sees_offer(&nodes[2], &job) && sees_offer(&nodes[3], &job)) {
+        assert!(
+            Instant::now() < until,
+            "the offer did not cross once healed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(net);
+}
