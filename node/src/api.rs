@@ -143,6 +143,9 @@ pub fn serve(
         .route("/v1/wallet/{address}", get(wallet_balance))
         .merge(exec::routes())
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        // Prometheus scrapes without the token: the API listens on loopback only, and
+        // the figures name no secret.
+        .route("/metrics", get(metrics))
         .with_state(state);
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
@@ -396,6 +399,21 @@ async fn cancel_job(
         .await
         .map(Json)
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn metrics(State(s): State<AppState>) -> Result<impl IntoResponse, Error> {
+    let text = s
+        .node
+        .metrics()
+        .await
+        .map_err(|e| Error(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}")))?;
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    ))
 }
 
 async fn partition(

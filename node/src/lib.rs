@@ -10,6 +10,7 @@ pub mod evaluate;
 pub mod exec;
 pub mod keystore;
 pub mod logging;
+pub mod metrics;
 pub mod service;
 pub mod store;
 pub mod supervisor;

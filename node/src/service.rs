@@ -102,6 +102,8 @@ pub(crate) enum Command {
         cannabis_protocol::Uuid,
         oneshot::Sender<anyhow::Result<api::JobSummary>>,
     ),
+    /// Set the gauges `/metrics` reads from the node's state.
+    Metrics(oneshot::Sender<()>),
     /// On a testnet: refuse these peers until told otherwise (a partition), dropping
     /// connections to them; peers no longer named may connect (and are dialled) again.
     Partition(Vec<PeerId>, oneshot::Sender<anyhow::Result<usize>>),
@@ -319,6 +321,8 @@ pub(crate) struct Node {
     /// Peers a testnet partition cuts this node off from (`cannabis testnet partition`):
     /// refused until healed, whatever their score.
     partitioned: std::collections::HashSet<PeerId>,
+    /// What `/metrics` shows: counters moved here, gauges set when scraped.
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Runtimes and collectives, once probed.
     software: Option<Software>,
     /// The machine as last probed.
@@ -456,6 +460,7 @@ pub async fn start(
         jobs = market.jobs().count(),
         "market restored from the store"
     );
+    let metrics = crate::metrics::Metrics::new();
     let mut node = Node {
         swarm,
         market,
@@ -492,6 +497,7 @@ pub async fn start(
         app_scores: HashMap::new(),
         blocked: std::collections::VecDeque::new(),
         partitioned: std::collections::HashSet::new(),
+        metrics: metrics.clone(),
         software: None,
         probe: None,
         ad_unheard: false,
@@ -532,7 +538,10 @@ pub async fn start(
         let _ = probe_tx.blocking_send(Command::Software(software));
     });
     let task = tokio::spawn(node.run(rx, internal_rx));
-    Ok((NodeHandle::new(tx, peer_id, address, executor_rx), task))
+    Ok((
+        NodeHandle::new(tx, peer_id, address, executor_rx, metrics),
+        task,
+    ))
 }
 
 /// The engine's settings from the node's.
@@ -896,7 +905,20 @@ impl Node {
             MarketEvent::TaskLeased { job, task } => {
                 info!(%job, task, "every rank holds a current lease");
             }
-            MarketEvent::JobEnded { job, state } => info!(%job, ?state, "job ended"),
+            MarketEvent::JobEnded { job, state } => {
+                info!(%job, ?state, "job ended");
+                let word = format!("{state:?}").to_lowercase();
+                self.metrics
+                    .jobs_ended
+                    .get_or_create(&crate::metrics::label("state", word))
+                    .inc();
+                if state == cannabis_market::job::JobState::Completed
+                    && let Some(j) = self.market.job(&job)
+                {
+                    let ms = now().0.ms_since(j.offer().issued_at);
+                    self.metrics.job_seconds.observe(ms as f64 / 1000.0);
+                }
+            }
             MarketEvent::LeaseTaken { key, epoch } => {
                 info!(job = %key.0, task = key.1, rank = key.2, epoch, "award countersigned");
             }
@@ -1016,6 +1038,10 @@ impl Node {
                     .and_then(|_| self.refuse_if_safe())
                     .and_then(|()| self.job_detail(&id));
                 let _ = reply.send(detail);
+            }
+            Command::Metrics(reply) => {
+                self.set_gauges();
+                let _ = reply.send(());
             }
             Command::Partition(peers, reply) => {
                 let _ = reply.send(self.partition(peers));
@@ -1596,6 +1622,41 @@ impl Node {
                 self.swarm.behaviour_mut().blocked.unblock_peer(oldest);
             }
         }
+    }
+
+    /// The gauges `/metrics` reads from the node's state, set now.
+    fn set_gauges(&mut self) {
+        use crate::metrics::set_all;
+        let m = &self.metrics;
+        m.peers.set(self.swarm.connected_peers().count() as i64);
+        m.ads.set(self.market.view().ad_count() as i64);
+        m.offers.set(self.market.view().offer_count() as i64);
+        let mut jobs = std::collections::BTreeMap::<String, i64>::new();
+        let mut tasks = std::collections::BTreeMap::<String, i64>::new();
+        let mut bids = 0;
+        for j in self.market.jobs() {
+            *jobs
+                .entry(format!("{:?}", j.state()).to_lowercase())
+                .or_default() += 1;
+            for t in j.tasks() {
+                *tasks.entry(t.status().word().to_string()).or_default() += 1;
+                bids += t.bid_count() as i64;
+            }
+        }
+        m.bids.set(bids);
+        set_all(&m.jobs, "state", &jobs.into_iter().collect::<Vec<_>>());
+        set_all(&m.tasks, "status", &tasks.into_iter().collect::<Vec<_>>());
+        let mut leases = std::collections::BTreeMap::<String, i64>::new();
+        for (_, l) in self.market.leases().iter() {
+            let word = if l.is_live() { "current" } else { "ended" };
+            *leases.entry(word.to_string()).or_default() += 1;
+        }
+        set_all(&m.leases, "state", &leases.into_iter().collect::<Vec<_>>());
+        let store = std::fs::metadata(self.data_dir.join("node.redb")).map_or(0, |f| f.len());
+        m.store_bytes.set(i64::try_from(store).unwrap_or(i64::MAX));
+        let height = self.chain.as_ref().map_or(0, |c| c.ledger().height());
+        m.ledger_height
+            .set(i64::try_from(height).unwrap_or(i64::MAX));
     }
 
     /// A testnet partition: `peers` are refused (their connections dropped) until a later

@@ -147,6 +147,22 @@ impl Node {
             }
         };
         let rejected = acceptance == MessageAcceptance::Reject;
+        let word = match &verdict {
+            Verdict::Accept(_) => "accepted",
+            Verdict::Ignore(_) => "ignored",
+            Verdict::Reject(why) => {
+                let reason = crate::metrics::reason_label(&why.to_string());
+                self.metrics
+                    .gossip_rejected
+                    .get_or_create(&crate::metrics::label("reason", reason))
+                    .inc();
+                "rejected"
+            }
+        };
+        self.metrics
+            .gossip_in
+            .get_or_create(&crate::metrics::label("verdict", word))
+            .inc();
         self.swarm
             .behaviour_mut()
             .gossipsub
@@ -326,6 +342,15 @@ impl Node {
     /// Gossips a message. Having no peers yet is fine: peers that connect later get it
     /// through sync. Returns whether any peer was there to hear it.
     pub(super) fn gossip_publish(&mut self, topic: Topic, bytes: Vec<u8>) -> anyhow::Result<bool> {
+        let kind = match topic {
+            Topic::Ads => "ad",
+            Topic::Offers { .. } => "offer",
+            Topic::Blocks => "block",
+        };
+        self.metrics
+            .gossip_out
+            .get_or_create(&crate::metrics::label("kind", kind))
+            .inc();
         match self
             .swarm
             .behaviour_mut()

@@ -26,6 +26,7 @@ pub struct NodeHandle {
     peer_id: PeerId,
     address: Address,
     executor: ExecutorSlot,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 impl NodeHandle {
@@ -34,13 +35,49 @@ impl NodeHandle {
         peer_id: PeerId,
         address: Address,
         executor: ExecutorSlot,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
     ) -> Self {
         Self {
             tx,
             peer_id,
             address,
             executor,
+            metrics,
         }
+    }
+
+    /// `/metrics`: the gauges set from the node's state and the executor's attempts, then
+    /// every metric in Prometheus' text format.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        use crate::metrics::{reason_label, set_all};
+        self.ask(Command::Metrics).await?;
+        if let Ok(ex) = self.executor().await {
+            let attempts = tokio::task::spawn_blocking(move || ex.attempts())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
+            let mut states = std::collections::BTreeMap::<String, i64>::new();
+            let mut refused = std::collections::BTreeMap::<String, i64>::new();
+            for a in &attempts {
+                *states.entry(a.state.name().to_string()).or_default() += 1;
+                if a.refused {
+                    let why = reason_label(a.reason.as_deref().unwrap_or(""));
+                    *refused.entry(why).or_default() += 1;
+                }
+            }
+            set_all(
+                &self.metrics.attempts,
+                "state",
+                &states.into_iter().collect::<Vec<_>>(),
+            );
+            set_all(
+                &self.metrics.refusals,
+                "reason",
+                &refused.into_iter().collect::<Vec<_>>(),
+            );
+        }
+        Ok(self.metrics.encode())
     }
 
     /// The node's executor (its own or its supervisor's), or why it has none; waits while it

@@ -269,6 +269,12 @@ impl Node {
         channel: ResponseChannel<TransferResponse>,
         response: TransferResponse,
     ) {
+        if let TransferResponse::Chunk { data, .. } = &response {
+            self.metrics
+                .transfer_bytes
+                .get_or_create(&crate::metrics::label("direction", "served"))
+                .inc_by(data.len() as u64);
+        }
         if let Err(e) = self
             .swarm
             .behaviour_mut()
@@ -355,6 +361,13 @@ impl Node {
         result: Result<Vec<cannabis_protocol::NamedDigest>, String>,
     ) {
         self.fetching.remove(&(m.job_id, m.task, m.rank, m.epoch));
+        if result.is_ok() {
+            let bytes: u64 = m.outputs.iter().map(|o| o.cipher_size).sum();
+            self.metrics
+                .transfer_bytes
+                .get_or_create(&crate::metrics::label("direction", "fetched"))
+                .inc_by(bytes);
+        }
         // The packages sealed for that worker at that epoch are not needed any more.
         delivery::unseal_packages(
             &self.data_dir,

@@ -657,6 +657,8 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     // The GPU example: nobody here has one, and the dry run says which requirement.
     let bundle = dir.path().join("train-bundle.tar");
     std::fs::write(&bundle, b"bundle").unwrap();
+    std::fs::write(dir.path().join("eval-bundle.tar"), b"evaluator").unwrap();
+    std::fs::write(dir.path().join("test.bin"), b"held out").unwrap();
     let train = dir.path().join("train.toml");
     std::fs::copy(format!("{examples}/train.toml"), &train).unwrap();
     let dry = cannabis(

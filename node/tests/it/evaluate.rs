@@ -116,8 +116,8 @@ adapter = "process"
 bundle = "train.tar"
 entrypoint = ["sh", "train.sh"]
 [task.resources]
-cpu = 1
-memory = "128MiB"
+cpu = 0.25
+memory = "64MiB"
 storage = "16MiB"
 [[task.outputs]]
 name = "model.safetensors"
@@ -213,6 +213,12 @@ fn evaluations_accept_or_dispute_and_a_hostile_evaluator_never_passes() {
     let mut reports = Vec::new();
     for ((name, ..), id) in cases.iter().zip(&ids) {
         let j = wait_job(requester, id, 180, &format!("{name}'s evaluation"), |j| {
+            assert_ne!(
+                j.summary.state,
+                JobState::Failed,
+                "{name}: {:#?}",
+                j.history
+            );
             reported(j).is_some()
         });
         assert_eq!(j.summary.state, JobState::Completed);

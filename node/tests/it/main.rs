@@ -12,6 +12,7 @@ mod faults;
 mod hostile;
 mod ledger;
 mod market;
+mod metrics;
 mod net;
 mod settle;
 mod supervisor;
