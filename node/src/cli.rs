@@ -581,6 +581,20 @@ pub(crate) enum TestnetCommand {
         #[arg(long, default_value = ".testnet")]
         dir: PathBuf,
     },
+    /// Run a scenario file: steps (submit a job, kill, restart, pause, resume, partition,
+    /// heal, sleep) and assertions (a job's state, a node's peers, the ledgers agreeing)
+    /// against a testnet, printing pass or fail for each; exits non-zero at the first
+    /// failure. Without --dir, on a fresh testnet of the scenario's size, stopped and
+    /// removed afterwards. Format: docs/testnet-guide.md; shipped: testnet/scenarios/.
+    Scenario {
+        /// The scenario file.
+        file: PathBuf,
+        /// A running testnet to run it on (default: a fresh one).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        #[command(flatten)]
+        format: Format,
+    },
     /// Split the network: each group (comma-separated node indices, every node in one)
     /// is cut off from the others until `heal`. Enforced by connection gating in the
     /// nodes: each refuses and drops connections to the other sides' peers.

@@ -321,6 +321,9 @@ pub(crate) struct Node {
     /// Peers a testnet partition cuts this node off from (`cannabis testnet partition`):
     /// refused until healed, whatever their score.
     partitioned: std::collections::HashSet<PeerId>,
+    /// Peers a healed partition let back: asked for the live market when they connect
+    /// (what was gossiped on their side meanwhile).
+    resync: std::collections::HashSet<PeerId>,
     /// What `/metrics` shows: counters moved here, gauges set when scraped.
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Runtimes and collectives, once probed.
@@ -497,6 +500,7 @@ pub async fn start(
         app_scores: HashMap::new(),
         blocked: std::collections::VecDeque::new(),
         partitioned: std::collections::HashSet::new(),
+        resync: std::collections::HashSet::new(),
         metrics: metrics.clone(),
         software: None,
         probe: None,
@@ -1368,6 +1372,8 @@ impl Node {
                 if num_established.get() == 1 && self.synced.len() < SYNC_PEERS {
                     self.synced.insert(peer_id);
                     self.start_sync(peer_id);
+                } else if self.resync.remove(&peer_id) {
+                    self.start_sync(peer_id);
                 }
                 if num_established.get() == 1 {
                     self.blocks_on_connect(peer_id);
@@ -1670,6 +1676,7 @@ impl Node {
         let new: std::collections::HashSet<PeerId> = peers.into_iter().collect();
         let healed: Vec<PeerId> = self.partitioned.difference(&new).copied().collect();
         for peer in &new {
+            self.resync.remove(peer);
             self.swarm.behaviour_mut().blocked.block_peer(*peer);
             let _ = self.swarm.disconnect_peer_id(*peer);
         }
@@ -1677,6 +1684,7 @@ impl Node {
         for peer in healed {
             if !self.blocked.contains(&peer) {
                 self.swarm.behaviour_mut().blocked.unblock_peer(peer);
+                self.resync.insert(peer);
                 if let Err(e) = self.swarm.dial(peer) {
                     debug!(%peer, error = %e, "not dialled after the partition healed");
                 }

@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod launcher;
+pub mod scenario;
 pub mod sim;
 pub mod stats;
 

@@ -245,6 +245,64 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             out!("node {node} resumed (pid {pid})")?;
             Ok(())
         }
+        TestnetCommand::Scenario { file, dir, format } => {
+            use cannabis_testnet::scenario::{self, Scenario};
+            let s = Scenario::load(&file)?;
+            let base = file
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .to_path_buf();
+            // A fresh testnet unless one is named; dropping it stops its nodes.
+            let fresh = dir.is_none();
+            let dir = dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("cannabis-scenario-{}", std::process::id()))
+            });
+            let net = if fresh {
+                if !format.json {
+                    out!("starting {} nodes in {} ...", s.nodes, dir.display())?;
+                }
+                Some(Testnet::up(&TestnetOptions {
+                    binary: binary.clone(),
+                    dir: dir.clone(),
+                    nodes: s.nodes,
+                    ready_timeout: Duration::from_secs(30),
+                })?)
+            } else {
+                None
+            };
+            let nodes: Vec<_> = launcher::status(&dir)?
+                .into_iter()
+                .map(|n| n.data_dir)
+                .collect();
+            if !format.json {
+                out!("scenario {:?} on {} nodes", s.name, nodes.len())?;
+            }
+            let json = format.json;
+            let report = scenario::run(&s, &base, &binary, &dir, nodes, |n, ok, what| {
+                if !json {
+                    let mark = if ok { "pass" } else { "FAIL" };
+                    let _ = out!("  {mark}  {n:>2}. {what}");
+                }
+            });
+            drop(net);
+            if fresh {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            if json {
+                output::json(&report)?;
+            }
+            let total = s.steps.len();
+            let passed = report.steps.iter().filter(|s| s.1).count();
+            anyhow::ensure!(
+                report.passed() && report.steps.len() == total,
+                "scenario {:?} failed: {passed} of {total} steps passed",
+                s.name
+            );
+            if !json {
+                out!("scenario {:?} passed: {total} steps", s.name)?;
+            }
+            Ok(())
+        }
         TestnetCommand::Partition { groups, dir } => {
             let groups = groups
                 .iter()

@@ -14,6 +14,7 @@ mod ledger;
 mod market;
 mod metrics;
 mod net;
+mod scenario;
 mod settle;
 mod supervisor;
 mod swarm;
