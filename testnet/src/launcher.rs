@@ -478,9 +478,28 @@ pub fn restart(
         }
     }
     let data_dir = node.data_dir.clone();
+    // The same port as before, as a node with a configured address has: its peers (and
+    // the ledger's clients, when it is the sequencer) find it where they knew it.
+    let mut args = node.args.clone();
+    let port = NodeInfo::read(&data_dir).ok().and_then(|info| {
+        info.listen_addrs.iter().find_map(|a| {
+            a.strip_prefix("/ip4/127.0.0.1/tcp/")?
+                .split('/')
+                .next()?
+                .parse::<u16>()
+                .ok()
+        })
+    });
+    if let Some(port) = port {
+        for a in &mut args {
+            if a == "/ip4/127.0.0.1/tcp/0" {
+                *a = format!("/ip4/127.0.0.1/tcp/{port}");
+            }
+        }
+    }
     let _ = fs::remove_file(data_dir.join("node.json"));
     let child =
-        launch(binary, &data_dir, &node.args).with_context(|| format!("starting node {index}"))?;
+        launch(binary, &data_dir, &args).with_context(|| format!("starting node {index}"))?;
     let started = wait_ready(index, data_dir, child, node.args.clone(), timeout)?;
     record.nodes[at].pid = started.info.pid;
     record.nodes[at].api = started.info.api.clone().unwrap_or_default();

@@ -39,7 +39,7 @@ fn four() -> usize {
 }
 
 /// A node, by index, as the worker holding a job's first rank (`"worker of NAME"`), or
-/// as the node a `kill` step killed last (`"last killed"`).
+/// as the node a `kill` (`pause`) step acted on last (`"last killed"`, `"last paused"`).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub enum NodeRef {
@@ -173,6 +173,7 @@ struct Run<'a> {
     nodes: Vec<PathBuf>,
     jobs: BTreeMap<String, (usize, String)>,
     last_killed: Option<usize>,
+    last_paused: Option<usize>,
 }
 
 /// Runs `scenario` (read from a file in `base`) on the testnet recorded in `dir`, calling
@@ -192,6 +193,7 @@ pub fn run(
         nodes,
         jobs: BTreeMap::new(),
         last_killed: None,
+        last_paused: None,
     };
     let mut report = Report::default();
     for (i, step) in scenario.steps.iter().enumerate() {
@@ -259,6 +261,9 @@ impl Run<'_> {
             NodeRef::Index(i) => Ok(*i),
             NodeRef::Named(text) if text == "last killed" => {
                 self.last_killed.context("no node was killed before")
+            }
+            NodeRef::Named(text) if text == "last paused" => {
+                self.last_paused.context("no node was paused before")
             }
             NodeRef::Named(text) => {
                 let name = text
@@ -341,6 +346,7 @@ impl Run<'_> {
             Step::Pause { node } => {
                 let i = self.node(node)?;
                 launcher::fault(self.dir, i, Fault::Pause)?;
+                self.last_paused = Some(i);
                 Ok(format!("node {i} paused"))
             }
             Step::Resume { node } => {

@@ -26,6 +26,8 @@ use crate::store::Store;
 use crate::swarm::{self, Topic};
 use cannabis_api as api;
 
+/// How a transaction that never reached the sequencer fails (nothing was decided).
+pub(super) const UNREACHABLE: &str = "the sequencer could not be reached";
 /// Most blocks one `blocks` request asks for and one answer holds.
 const BLOCKS_PER_ASK: u32 = 64;
 /// Most bytes of blocks in one answer (past the first block).
@@ -755,7 +757,7 @@ impl Node {
                 Err(anyhow::anyhow!("the sequencer refused it: {reason}"))
             }
             Ok(other) => Err(anyhow::anyhow!("the sequencer answered {other:?}")),
-            Err(e) => Err(anyhow::anyhow!("the sequencer could not be reached: {e}")),
+            Err(e) => Err(anyhow::anyhow!("{UNREACHABLE}: {e}")),
         };
         if result.is_err() && own {
             // The nonce was not used: the next transaction takes it.

@@ -293,6 +293,18 @@ impl Node {
         let Err(why) = result else {
             return;
         };
+        if why.starts_with(super::ledger::UNREACHABLE) {
+            // Nothing was decided: the sequencer is down or moved (a restart). The order
+            // goes again at the next upkeep or block, until it applies or the usual
+            // limits let it go.
+            warn!(%job, lock, %why, "settlement transaction not delivered: sent again shortly");
+            if let Some(chain) = self.chain.as_mut() {
+                for o in chain.orders.iter_mut().filter(|o| o.settle.job() == job) {
+                    o.sent_at = None;
+                }
+            }
+            return;
+        }
         warn!(%job, lock, %why, "settlement transaction refused");
         if lock {
             if let Some(chain) = self.chain.as_mut() {

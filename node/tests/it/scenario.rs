@@ -48,6 +48,21 @@ fn the_partition_scenario_passes() {
 }
 
 #[test]
+fn the_requester_quiet_scenario_passes() {
+    shipped("requester-quiet.toml");
+}
+
+#[test]
+fn the_sequencer_restart_scenario_passes() {
+    shipped("sequencer-restart.toml");
+}
+
+#[test]
+fn the_paused_worker_scenario_passes() {
+    shipped("paused-worker.toml");
+}
+
+#[test]
 fn a_scenario_that_cannot_hold_fails_at_its_step() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("wrong.toml");
