@@ -448,6 +448,22 @@ fn submit(
                 "this node keeps no ledger: the job is not settled (nothing is locked or paid)"
             )?,
         }
+        if let Some(terms) = &template.evaluation {
+            out!(
+                "evaluated on this node once delivered: {} on {} held-out file(s) (never sent \
+                 to workers), {} artifact check(s), {} metric(s); a pass {}, anything else \
+                 disputes",
+                terms.entrypoint.join(" "),
+                terms.held_out.len(),
+                terms.artifacts.len(),
+                template.acceptance.len(),
+                if terms.confirm {
+                    "waits for `cannabis job accept`"
+                } else {
+                    "accepts"
+                }
+            )?;
+        }
         print_explanations(&explained)?;
     }
     if dry_run {

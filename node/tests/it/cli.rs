@@ -669,6 +669,12 @@ fn job_submit_quotes_explains_publishes_and_reports() {
     let text = stdout(&dry);
     assert!(text.contains("0 of 1 known workers qualify"), "{text}");
     assert!(text.contains("GPU memory >= 24 GiB: 1 excluded"), "{text}");
+    // The job's evaluation is told before it is published.
+    assert!(
+        text.contains("evaluated on this node once delivered: python3 evaluate.py on 1 held-out")
+            && text.contains("waits for `cannabis job accept`"),
+        "{text}"
+    );
     // A bad file names the field.
     let bad = dir.path().join("bad.toml");
     std::fs::write(
