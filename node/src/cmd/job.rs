@@ -116,6 +116,7 @@ pub(super) fn run(
                 .map_or(0, |t| t.limits.wall_ms)
                 .saturating_add(60_000);
             let until = std::time::Instant::now() + std::time::Duration::from_millis(limit);
+            let bar = spinner(format.json);
             let job = loop {
                 let job = client.job(&id)?;
                 if job
@@ -125,13 +126,17 @@ pub(super) fn run(
                 {
                     break job;
                 }
+                bar.set_message(format!("evaluation run {} running", run.max(1)));
+                bar.tick();
                 if std::time::Instant::now() > until {
+                    bar.finish_and_clear();
                     anyhow::bail!(
                         "evaluation run {run} of job {id} has not reported yet: see `cannabis job status {id}`"
                     );
                 }
                 std::thread::sleep(std::time::Duration::from_millis(250));
             };
+            bar.finish_and_clear();
             if format.json {
                 return output::json(&job.evaluation);
             }
@@ -212,6 +217,20 @@ fn undelivered(job: &JobDetail, tasks: &[usize]) -> Vec<String> {
 
 /// How often `job results --wait` asks the node.
 const WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// A spinner on standard error naming what is awaited; hidden with `--json` or when
+/// standard error is not a terminal.
+fn spinner(quiet: bool) -> indicatif::ProgressBar {
+    use std::io::IsTerminal as _;
+    if quiet || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {elapsed} {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}
 
 /// Polls the node until every rank of the chosen tasks delivered and its outputs are here,
 /// drawing progress on standard error: a bar over the bytes on their way while outputs
