@@ -68,6 +68,11 @@ pub struct Testnet {
 impl Testnet {
     /// Starts the nodes: node 0 first, then every other node bootstrapped to it.
     pub fn up(opts: &TestnetOptions) -> anyhow::Result<Testnet> {
+        Self::up_with(opts, |_| {})
+    }
+
+    /// [`Testnet::up`], calling `ready(n)` each time `n` nodes are up (for progress).
+    pub fn up_with(opts: &TestnetOptions, mut ready: impl FnMut(usize)) -> anyhow::Result<Testnet> {
         anyhow::ensure!(opts.nodes >= 1, "a testnet needs at least one node");
         fs::create_dir_all(&opts.dir)
             .with_context(|| format!("creating {}", opts.dir.display()))?;
@@ -98,6 +103,7 @@ impl Testnet {
         let first = spawn(opts, 0, None, &network)?;
         let bootstrap = dial_addr(&first.info)?;
         net.nodes.push(first);
+        ready(net.nodes.len());
         // Start the rest together, then wait for each.
         let mut starting = Vec::new();
         let started = (1..opts.nodes).try_for_each(|i| {
@@ -114,6 +120,7 @@ impl Testnet {
                     args,
                     opts.ready_timeout,
                 )?);
+                ready(net.nodes.len());
             }
             anyhow::Ok(())
         });

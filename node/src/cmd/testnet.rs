@@ -35,7 +35,25 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 ))
             })?;
             out!("starting {nodes} nodes in {} ...", dir.display())?;
-            let mut net = Testnet::up(&opts)?;
+            // Progress on standard error while they start (none off a terminal).
+            let bar = {
+                use std::io::IsTerminal as _;
+                if std::io::stderr().is_terminal() {
+                    let bar = indicatif::ProgressBar::new(nodes as u64);
+                    if let Ok(style) = indicatif::ProgressStyle::with_template(
+                        "{spinner} {elapsed} [{bar:30}] {pos}/{len} nodes up",
+                    ) {
+                        bar.set_style(style.progress_chars("=> "));
+                    }
+                    bar.enable_steady_tick(Duration::from_millis(100));
+                    bar
+                } else {
+                    indicatif::ProgressBar::hidden()
+                }
+            };
+            let started = Testnet::up_with(&opts, |n| bar.set_position(n as u64));
+            bar.finish_and_clear();
+            let mut net = started?;
             out!("{:<6} {:<54} {:<22} data dir", "node", "peer id", "api")?;
             for n in &net.nodes {
                 out!(
