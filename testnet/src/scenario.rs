@@ -419,15 +419,18 @@ impl Run<'_> {
 }
 
 /// Packs the files of `dir` into `dir.tar`, at the archive's root (where an entrypoint
-/// finds them).
+/// finds them). Written beside it and renamed into place, so that scenarios run at once
+/// never read a half-written archive (they write the same bytes).
 fn pack(dir: &Path) -> anyhow::Result<()> {
     let out = dir.with_extension("tar");
+    let tmp = dir.with_extension(format!("tar.{}.tmp", std::process::id()));
     let file =
-        std::fs::File::create(&out).with_context(|| format!("creating {}", out.display()))?;
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let mut tar = tar::Builder::new(file);
     tar.append_dir_all(".", dir)
         .with_context(|| format!("packing {}", dir.display()))?;
     tar.into_inner()?.sync_all()?;
+    std::fs::rename(&tmp, &out).with_context(|| format!("writing {}", out.display()))?;
     Ok(())
 }
 
