@@ -382,7 +382,8 @@ impl Run<'_> {
                 let mut seen = String::new();
                 let r = wait(limit, &format!("job {job} {state}"), || {
                     let (j, _) = self.job(job)?;
-                    seen = format!("{:?}", j.summary.state).to_lowercase();
+                    let last = j.history.last().map(|e| e.text.as_str()).unwrap_or("");
+                    seen = format!("{:?} ({last})", j.summary.state).to_lowercase();
                     Ok(holds(&j).then_some(()))
                 });
                 r.map_err(|e| e.context(format!("last seen {seen}")))?;
