@@ -142,6 +142,21 @@ pub enum RejectReason {
     },
 }
 
+impl RejectReason {
+    /// Its kind, a fixed word (for counting rejections by reason: the text holds
+    /// times and details from the message, which a sender chooses).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Decode(_) => "undecodable",
+            Self::Verify(_) => "unverifiable",
+            Self::Expired { .. } => "expired",
+            Self::FromTheFuture { .. } => "from-the-future",
+            Self::TooLongLived { .. } => "too-long-lived",
+            Self::DeadlineTooFar { .. } => "deadline-too-far",
+        }
+    }
+}
+
 /// What [`View::expire`] dropped.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Expired {
@@ -769,6 +784,19 @@ mod tests {
             Verdict::Reject(RejectReason::Verify(_))
         ));
         assert_eq!(v.ads().count(), 0);
+    }
+
+    #[test]
+    fn a_rejections_kind_does_not_carry_what_the_sender_chose() {
+        let a = RejectReason::Expired {
+            expired_at: Timestamp(1),
+        };
+        let b = RejectReason::Expired {
+            expired_at: Timestamp(2),
+        };
+        assert_ne!(a.to_string(), b.to_string());
+        assert_eq!(a.kind(), b.kind());
+        assert_eq!(a.kind(), "expired");
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub struct Metrics {
     pub peers: Gauge,
     /// Gossip messages received, by verdict (`accepted`, `ignored`, `rejected`).
     pub gossip_in: Family<Labels, Counter>,
-    /// Gossip messages rejected, by reason.
+    /// Gossip messages rejected, by reason ([`cannabis_market::RejectReason::kind`]).
     pub gossip_rejected: Family<Labels, Counter>,
     /// Gossip messages this node published, by kind (`ad`, `offer`, `block`).
     pub gossip_out: Family<Labels, Counter>,
@@ -231,7 +231,7 @@ mod tests {
             .get_or_create(&label("verdict", "accepted"))
             .inc();
         m.gossip_rejected
-            .get_or_create(&label("reason", reason_label("signature: does not verify")))
+            .get_or_create(&label("reason", "unverifiable"))
             .inc();
         m.job_seconds.observe(12.0);
         let text = m.encode();
@@ -241,7 +241,7 @@ mod tests {
             "# HELP cannabis_gossip_messages_received_total Gossip messages received",
             "cannabis_peers 3",
             "cannabis_gossip_messages_received_total{verdict=\"accepted\"} 1",
-            "cannabis_gossip_messages_rejected_total{reason=\"signature\"} 1",
+            "cannabis_gossip_messages_rejected_total{reason=\"unverifiable\"} 1",
             "# TYPE cannabis_job_completion_seconds histogram",
             "cannabis_job_completion_seconds_count 1",
             "# TYPE cannabis_ledger_height gauge",

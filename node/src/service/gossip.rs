@@ -151,10 +151,11 @@ impl Node {
             Verdict::Accept(_) => "accepted",
             Verdict::Ignore(_) => "ignored",
             Verdict::Reject(why) => {
-                let reason = crate::metrics::reason_label(&why.to_string());
+                // By kind: a label per distinct text would let one sender grow the
+                // metrics without bound.
                 self.metrics
                     .gossip_rejected
-                    .get_or_create(&crate::metrics::label("reason", reason))
+                    .get_or_create(&crate::metrics::label("reason", why.kind()))
                     .inc();
                 "rejected"
             }
