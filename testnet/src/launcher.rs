@@ -437,7 +437,9 @@ pub fn fault(dir: &Path, index: usize, fault: Fault) -> anyhow::Result<u32> {
         Fault::Kill => {
             kill(target, Signal::SIGKILL).with_context(|| format!("killing node {index}"))?;
             let until = Instant::now() + Duration::from_secs(5);
-            while state_of(node) != ProcState::Stopped {
+            // Until the process is dead, not only its command line gone (it empties
+            // while the kernel still tears the process down).
+            while alive(pid) {
                 anyhow::ensure!(Instant::now() < until, "node {index} did not die");
                 std::thread::sleep(Duration::from_millis(20));
             }
