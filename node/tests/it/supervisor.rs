@@ -60,12 +60,23 @@ fn users() -> Option<&'static Users> {
                     .success();
                 assert!(ok || ids(OTHER_USER).is_some(), "useradd {OTHER_USER}");
             }
-            let dir = std::env::temp_dir().join(format!("cannabis-supervisor-test-{}", std::process::id()));
+            // One place shared by every test process (nextest runs each test in its own),
+            // replaced by a rename so that a process already running the old file is not
+            // disturbed: a directory per process would leave a copy of the binary behind
+            // for every test, half a gigabyte each in a debug build.
+            let dir = std::env::temp_dir().join("cannabis-supervisor-test");
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+            let staged = dir.join(format!("cannabis.{}", std::process::id()));
+            let _ = std::fs::remove_file(&staged);
+            if std::fs::hard_link(env!("CARGO_BIN_EXE_cannabis"), &staged).is_err() {
+                std::fs::copy(env!("CARGO_BIN_EXE_cannabis"), &staged).unwrap();
+            }
+            std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755)).unwrap();
             let bin = dir.join("cannabis");
-            std::fs::copy(env!("CARGO_BIN_EXE_cannabis"), &bin).unwrap();
-            std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::rename(&staged, &bin).unwrap();
+            // A rename between two links to one file does nothing: drop the staged link.
+            let _ = std::fs::remove_file(&staged);
             Some(Users {
                 node: ids(NODE_USER).unwrap(),
                 other: ids(OTHER_USER).unwrap(),
