@@ -23,6 +23,7 @@
 
 mod outbox;
 mod requester;
+mod spot;
 mod worker;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -73,6 +74,10 @@ pub struct MarketConfig {
     /// requires confidential execution goes only to workers whose evidence does, and is
     /// refused at once where none can.
     pub attestation: AttestationPolicy,
+    /// A secret of this node's that draws which delivered tasks are spot-checked
+    /// ([`crate::spot::drawn`]): workers cannot predict the draw, and a restart draws the
+    /// same.
+    pub spot_secret: [u8; 32],
 }
 
 /// Who this node is.
@@ -1181,8 +1186,12 @@ impl Market {
             }
             Command::Evaluate(job) => self.evaluate(job, true).map(|_| CommandOk::Done),
             Command::Evaluated { job, run, report } => self.evaluated(job, run, *report),
-            Command::Accept { job, part_ppm } => self.settle_delivered(job, Some(part_ppm), None),
-            Command::Dispute { job, reason } => self.settle_delivered(job, None, Some(reason)),
+            Command::Accept { job, part_ppm } => {
+                self.settle_delivered(job, Some(part_ppm), None, false)
+            }
+            Command::Dispute { job, reason } => {
+                self.settle_delivered(job, None, Some(reason), false)
+            }
             Command::RankFailed {
                 job,
                 task,

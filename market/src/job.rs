@@ -35,6 +35,8 @@ use cannabis_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::spot::SpotChecks;
+
 mod parts;
 
 pub use parts::{Head, Part, PartsError};
@@ -267,6 +269,18 @@ pub struct Assignment {
     /// For a synthetic task: the delivered product's check, once made.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub product: Option<ProductVerdict>,
+    /// A spot check's finding that this delivery is wrong (two other workers' runs of the
+    /// task agree against it), once made ([`crate::spot`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caught: Option<String>,
+}
+
+impl Assignment {
+    /// Whether this delivery was found wrong (its synthetic product, or by a spot check):
+    /// it is disputed, never accepted with the rest.
+    pub fn found_wrong(&self) -> bool {
+        matches!(self.product, Some(ProductVerdict::Failed(_))) || self.caught.is_some()
+    }
 }
 
 /// How a delivered synthetic product fared against its task (checked by the requester,
@@ -477,6 +491,10 @@ pub struct Job {
     /// evaluation terms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     evaluation: Option<Evaluating>,
+    /// Spot checks: the rate, what this job checks (for a check job), and the checks of
+    /// its tasks.
+    #[serde(default, skip_serializing_if = "SpotChecks::is_empty")]
+    spot: SpotChecks,
 }
 
 /// Where a job's evaluation stands.
@@ -605,6 +623,7 @@ impl Job {
             early_look_at: None,
             escrow: Escrowed::Unsettled,
             evaluation: None,
+            spot: SpotChecks::default(),
         };
         job.early_look_at = job.early_look_after(now);
         job.log(now, None, "offer published; taking bids".into());
@@ -718,6 +737,55 @@ impl Job {
     /// Adds a line to the job's history.
     pub fn note(&mut self, now: Timestamp, text: String) {
         self.log(now, None, text);
+    }
+
+    /// Adds a line about task `task` to the job's history.
+    pub fn note_task(&mut self, now: Timestamp, task: u32, text: String) {
+        self.log(now, Some(task), text);
+    }
+
+    /// Its spot checks ([`crate::spot`]).
+    pub fn spot(&self) -> &SpotChecks {
+        &self.spot
+    }
+
+    /// Its spot checks, to change.
+    pub(crate) fn spot_mut(&mut self) -> &mut SpotChecks {
+        &mut self.spot
+    }
+
+    /// Never places task `task` on `worker` (a check job excludes the workers it checks).
+    pub(crate) fn exclude(&mut self, task: u32, worker: Address) {
+        if let Some(t) = self.tasks.get_mut(task as usize) {
+            t.excluded.insert(worker);
+            t.bids.remove(&worker);
+        }
+    }
+
+    /// A spot check found the delivery of `task`'s `rank` at `epoch` wrong: kept, so that
+    /// it is disputed and never accepted. `false` when that delivery is not held (or was
+    /// found wrong already).
+    pub(crate) fn on_caught(
+        &mut self,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+        why: String,
+        now: Timestamp,
+    ) -> bool {
+        let Ok(a) = self.assignment(task, rank, epoch) else {
+            return false;
+        };
+        if a.state != LeaseState::Done || a.caught.is_some() {
+            return false;
+        }
+        a.caught = Some(why.clone());
+        self.log(
+            now,
+            Some(task),
+            format!("rank {rank}'s delivery is wrong: {why}"),
+        );
+        true
     }
 
     /// The job id.
@@ -1691,6 +1759,7 @@ impl Job {
                 delivery: None,
                 accepted: None,
                 product: None,
+                caught: None,
             });
             actions.push(Action::Award(award));
         }

@@ -48,6 +48,7 @@ pub mod placement;
 pub mod quote;
 pub mod rate;
 pub mod spec;
+pub mod spot;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 

@@ -83,6 +83,10 @@ pub struct OfferTemplate {
     /// node, not published).
     #[serde(default)]
     pub early: Option<crate::job::Early>,
+    /// The fraction of delivered tasks re-run on another worker to check them, in parts
+    /// per million ([`crate::spot`]; kept by the requester's node, not published).
+    #[serde(default)]
+    pub spot_check_ppm: u32,
 }
 
 /// A parsed, checked job file, waiting for its local files to be hashed.
@@ -104,6 +108,9 @@ pub struct JobSpec {
     pub evaluation: Option<EvaluationDraft>,
     /// Place before the bid window ends, as soon as this is met.
     pub early: Option<crate::job::Early>,
+    /// The fraction of delivered tasks re-run elsewhere to check them, in parts per
+    /// million.
+    pub spot_check_ppm: u32,
     /// The tasks, with their sources still to resolve.
     pub tasks: Vec<TaskDraft>,
 }
@@ -198,6 +205,8 @@ struct RawJob {
     evaluation: Option<RawEvaluation>,
     #[serde(default)]
     early: Option<RawEarly>,
+    #[serde(default)]
+    spot_check: Option<f64>,
     #[serde(default, rename = "task")]
     tasks: Vec<RawTask>,
 }
@@ -435,9 +444,20 @@ impl JobSpec {
                 ));
             }
         };
+        let spot_check_ppm = match raw.spot_check {
+            None => 0,
+            Some(f) if (0.0..=1.0).contains(&f) => (f * f64::from(crate::spot::PPM)).round() as u32,
+            Some(f) => {
+                return Err(err(
+                    "spot_check",
+                    format!("is {f}: the fraction of tasks re-run to check them, from 0 to 1"),
+                ));
+            }
+        };
         Ok(JobSpec {
             name: raw.name.unwrap_or_else(|| raw.tasks[0].name.clone()),
             early,
+            spot_check_ppm,
             budget,
             deadline_ms,
             bid_window_ms,
@@ -503,6 +523,7 @@ impl JobSpec {
             acceptance: self.acceptance.clone(),
             evaluation,
             early: self.early,
+            spot_check_ppm: self.spot_check_ppm,
         })
     }
 }
@@ -1111,6 +1132,22 @@ adapter = "synthetic"
         let s = JobSpec::parse(MINIMAL).unwrap();
         assert_eq!(s.tasks[0].task.budget, Amount(1000));
         assert_eq!(s.tasks[0].task.resources.cpu_millicores, 1000);
+    }
+
+    #[test]
+    fn a_spot_check_rate_is_a_fraction() {
+        let rate = |v: &str| JobSpec::parse(&format!("spot_check = {v}\n{MINIMAL}"));
+        assert_eq!(JobSpec::parse(MINIMAL).unwrap().spot_check_ppm, 0);
+        assert_eq!(rate("0.25").unwrap().spot_check_ppm, 250_000);
+        assert_eq!(rate("1.0").unwrap().spot_check_ppm, 1_000_000);
+        let t = rate("0.1")
+            .unwrap()
+            .resolve(|_| Ok::<_, ()>((Digest([0; 32]), 0)));
+        assert_eq!(t.unwrap().spot_check_ppm, 100_000);
+        for bad in ["1.5", "-0.1"] {
+            let e = rate(bad).unwrap_err();
+            assert_eq!(e.field, "spot_check", "{e}");
+        }
     }
 
     #[test]

@@ -243,6 +243,7 @@ pub fn template(tasks: Vec<TaskSpec>, window_ms: u64, deadline_ms: u64) -> crate
         acceptance: Vec::new(),
         evaluation: None,
         early: None,
+        spot_check_ppm: 0,
     }
 }
 

@@ -130,6 +130,7 @@ pub fn serve(
         .route("/v1/jobs/{id}/evaluate", post(judge_job))
         .route("/v1/leases", get(leases))
         .route("/v1/testnet/partition", post(partition))
+        .route("/v1/testnet/corrupt", post(corrupt))
         .route("/v1/ledger", get(ledger_status))
         .route("/v1/ledger/blocks", get(ledger_blocks))
         .route("/v1/ledger/blocks/{height}", get(ledger_block))
@@ -428,6 +429,17 @@ async fn partition(
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("a peer id: {e}")))?;
     s.node
         .partition(peers)
+        .await
+        .map(|_| Json(body))
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn corrupt(
+    State(s): State<AppState>,
+    Json(body): Json<api::Corrupt>,
+) -> Result<Json<api::Corrupt>, Error> {
+    s.node
+        .corrupt(body.on)
         .await
         .map(|_| Json(body))
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))

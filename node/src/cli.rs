@@ -606,6 +606,19 @@ pub(crate) enum TestnetCommand {
         #[arg(long, default_value = ".testnet")]
         dir: PathBuf,
     },
+    /// Make a node deliver wrong outputs (the first byte of each flipped before it is
+    /// hashed), as a worker that fabricates results would; `--off` makes it honest again.
+    /// Enforced in the node, on a testnet only.
+    Corrupt {
+        /// The node's index.
+        node: usize,
+        /// Deliver right outputs again.
+        #[arg(long)]
+        off: bool,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
     /// End a partition: every node may connect to every other again.
     Heal {
         /// Directory of the testnet's data.

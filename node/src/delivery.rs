@@ -195,6 +195,10 @@ pub struct SealOrder<'a> {
     pub outputs: Vec<(String, u64)>,
     pub requester: Address,
     pub to: DeliveryRecipient,
+    /// A testnet fault (`cannabis testnet corrupt`): the first byte of every output is
+    /// flipped before it is hashed and sealed, as a worker that fabricates results would
+    /// (its manifest then pins the wrong bytes, and only a check of the content finds it).
+    pub corrupt: bool,
 }
 
 /// Seals a completed attempt's outputs for its requester (once: a second call, after a
@@ -226,7 +230,16 @@ pub fn seal(
                     offset,
                     cannabis_runtime::exec::MAX_CHUNK,
                 )
-                .map(|c| (c.data, c.eof))
+                .map(|c| {
+                    let mut data = c.data;
+                    if order.corrupt
+                        && offset == 0
+                        && let Some(b) = data.first_mut()
+                    {
+                        *b ^= 0xff;
+                    }
+                    (data, c.eof)
+                })
                 .map_err(|e| io::Error::other(e.to_string()))
             },
             &order.to,

@@ -107,6 +107,8 @@ pub(crate) enum Command {
     /// On a testnet: refuse these peers until told otherwise (a partition), dropping
     /// connections to them; peers no longer named may connect (and are dialled) again.
     Partition(Vec<PeerId>, oneshot::Sender<anyhow::Result<usize>>),
+    /// On a testnet: deliver wrong outputs (a fabricating worker), or stop doing so.
+    Corrupt(bool, oneshot::Sender<anyhow::Result<()>>),
     JudgeJob(
         cannabis_protocol::Uuid,
         api::Verdict,
@@ -321,6 +323,8 @@ pub(crate) struct Node {
     /// Peers a testnet partition cuts this node off from (`cannabis testnet partition`):
     /// refused until healed, whatever their score.
     partitioned: std::collections::HashSet<PeerId>,
+    /// A testnet fault: this node's deliveries carry wrong outputs (`testnet corrupt`).
+    corrupt: Arc<std::sync::atomic::AtomicBool>,
     /// Peers a healed partition let back: asked for the live market when they connect
     /// (what was gossiped on their side meanwhile).
     resync: std::collections::HashSet<PeerId>,
@@ -440,12 +444,21 @@ pub async fn start(
     // every outside handle is gone.
     let (internal_tx, internal_rx) = mpsc::channel(16);
     let (executor_tx, executor_rx) = watch::channel(None);
-    let market_config = market_config(&config, genesis.as_ref());
+    // The spot-check draw's secret, derived from the node key: others cannot predict it,
+    // and the same key draws the same after a restart.
+    let spot_secret = cannabis_protocol::Digest::of_parts(&[
+        b"cannabis/spot-check-secret/v1/",
+        &keys.signing.secret()[..],
+    ])
+    .0;
+    let market_config = market_config(&config, genesis.as_ref(), spot_secret);
+    let corrupt = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (runner, running) = run::spawn(
         executor_rx.clone(),
         internal_tx.clone(),
         data_dir.to_path_buf(),
         keys.delivery.clone(),
+        corrupt.clone(),
     );
     let identity = Identity {
         address,
@@ -500,6 +513,7 @@ pub async fn start(
         app_scores: HashMap::new(),
         blocked: std::collections::VecDeque::new(),
         partitioned: std::collections::HashSet::new(),
+        corrupt,
         resync: std::collections::HashSet::new(),
         metrics: metrics.clone(),
         software: None,
@@ -552,8 +566,10 @@ pub async fn start(
 fn market_config(
     config: &NodeConfig,
     genesis: Option<&cannabis_protocol::Genesis>,
+    spot_secret: [u8; 32],
 ) -> MarketConfig {
     MarketConfig {
+        spot_secret,
         // With a ledger, jobs settle through it: locked before any award.
         resolver: genesis.map(|g| g.resolver),
         view: ViewConfig::default(),
@@ -1049,6 +1065,17 @@ impl Node {
             }
             Command::Partition(peers, reply) => {
                 let _ = reply.send(self.partition(peers));
+            }
+            Command::Corrupt(on, reply) => {
+                let _ = reply.send(if self.market_config.attestation.testnet {
+                    self.corrupt.store(on, std::sync::atomic::Ordering::Relaxed);
+                    warn!(on, "testnet fault: deliveries carry wrong outputs");
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!(
+                        "only a testnet node (`node run --testnet`) takes this fault"
+                    ))
+                });
             }
             Command::CancelJob(id, reply) => {
                 let done = self.refuse_if_safe().and_then(|()| {

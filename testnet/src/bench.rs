@@ -234,6 +234,7 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
         acceptance: Vec::new(),
         evaluation: None,
         early: None,
+        spot_check_ppm: 0,
     }
 }
 

@@ -585,6 +585,26 @@ fn tell_partition(
     Ok(())
 }
 
+/// Makes node `index` of the testnet in `dir` deliver wrong outputs (`on`), as a worker
+/// that fabricates results would, or right ones again. Enforced in the node: the first
+/// byte of each output is flipped before it is hashed and sealed, so its signed manifest
+/// pins the wrong bytes and only a check of the content (Freivalds' for a synthetic task,
+/// a spot check's re-run for any other) finds it out.
+pub fn corrupt(dir: &Path, index: usize, on: bool) -> anyhow::Result<()> {
+    let record = read_record(dir)?;
+    node_of(&record, dir, index)?;
+    let node = &record.nodes[index];
+    anyhow::ensure!(
+        state_of(node) == ProcState::Running,
+        "node {index} is not running (`cannabis testnet status --dir {}`)",
+        dir.display()
+    );
+    ApiClient::from_data_dir(&node.data_dir)?
+        .post::<_, cannabis_api::Corrupt>("/v1/testnet/corrupt", &cannabis_api::Corrupt { on })
+        .with_context(|| format!("telling node {index}"))?;
+    Ok(())
+}
+
 /// Every node of the testnet in `dir`: its process and, for a running one, its peers and
 /// ledger height.
 pub fn status(dir: &Path) -> anyhow::Result<Vec<NodeStatus>> {

@@ -100,6 +100,15 @@ pub enum Step {
     },
     /// Heal the network (`testnet heal`).
     Heal,
+    /// Make a node deliver wrong outputs, or right ones again with `off` (`testnet
+    /// corrupt`).
+    Corrupt {
+        /// The node.
+        node: NodeRef,
+        /// Honest again.
+        #[serde(default)]
+        off: bool,
+    },
     /// Wait.
     Sleep {
         /// How long (`2s`).
@@ -366,6 +375,15 @@ impl Run<'_> {
             Step::Heal => {
                 launcher::heal(self.dir)?;
                 Ok("healed".into())
+            }
+            Step::Corrupt { node, off } => {
+                let i = self.node(node)?;
+                launcher::corrupt(self.dir, i, !off)?;
+                Ok(if *off {
+                    format!("node {i} delivers its real outputs again")
+                } else {
+                    format!("node {i} delivers wrong outputs")
+                })
             }
             Step::Sleep { time } => {
                 let ms = parse_duration_ms(time).map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -138,6 +138,7 @@ impl Market {
                 bidding,
                 now,
             );
+            job.spot_mut().rate_ppm = t.spot_check_ppm.min(crate::spot::PPM);
             if let Some(resolver) = self.config.resolver {
                 // No lock, no award: the job places nothing until the lock is in a block.
                 job.lock_asked(now);
@@ -197,9 +198,12 @@ impl Market {
         job: Uuid,
         part_ppm: Option<u32>,
         reason: Option<String>,
+        hold_checked: bool,
     ) -> Result<CommandOk, CommandError> {
         let now = self.now;
         let j = self.job_mut(job)?;
+        let spot = j.spot().clone();
+        let spot = &spot;
         if *j.escrow() == Escrowed::Unsettled {
             return Err(CommandError::Unsettled(job));
         }
@@ -220,10 +224,11 @@ impl Market {
                 t.ranks()
                     .iter()
                     .filter(|a| a.state == LeaseState::Done)
-                    // A wrong product is disputed already: never accepted with the rest.
-                    .filter(move |a| {
-                        dispute || !matches!(a.product, Some(ProductVerdict::Failed(_)))
-                    })
+                    // A delivery found wrong is disputed already: never accepted with the
+                    // rest. One under a spot check waits for it when the evaluation
+                    // accepts (the check accepts it when it passes).
+                    .filter(move |a| dispute || !a.found_wrong())
+                    .filter(move |_| dispute || !(hold_checked && spot.pending(i as u32)))
                     .map(move |a| EscrowSettle {
                         job_id: job,
                         task: i as u32,
@@ -274,6 +279,7 @@ impl Market {
         for check in checks {
             self.out.fenced(Output::CheckProduct(check));
         }
+        self.spot_delivered(job, task, rank, epoch, outputs);
         // The last delivery starts the evaluation, when the terms name one.
         self.evaluate(job, false)?;
         Ok(CommandOk::Done)
@@ -350,7 +356,7 @@ impl Market {
         if let Some((part, reason)) = settle
             && settled
         {
-            match self.settle_delivered(job, part, reason) {
+            match self.settle_delivered(job, part, reason, true) {
                 Ok(_) | Err(CommandError::NothingDelivered(_)) => {}
                 Err(e) => return Err(e),
             }
@@ -729,6 +735,7 @@ impl Market {
                     .fenced(Output::Settle(Settle::Cancel(EscrowCancel { job_id: job })));
             }
             self.event(MarketEvent::JobEnded { job, state });
+            self.spot_job_ended(job);
         }
     }
 

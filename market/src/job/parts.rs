@@ -73,6 +73,8 @@ pub struct Head {
     escrow: super::Escrowed,
     #[serde(default)]
     evaluation: Option<super::Evaluating>,
+    #[serde(default)]
+    spot: crate::spot::SpotChecks,
 }
 
 impl Part {
@@ -154,6 +156,7 @@ impl Job {
             early_look_at: self.early_look_at,
             escrow: self.escrow.clone(),
             evaluation: self.evaluation.clone(),
+            spot: self.spot.clone(),
         })));
         for (i, t) in self.tasks.iter().enumerate() {
             let task = i as u32;
@@ -253,6 +256,7 @@ impl Job {
             early_look_at: head.early_look_at,
             escrow: head.escrow,
             evaluation: head.evaluation,
+            spot: head.spot,
         })
     }
 }

@@ -288,6 +288,10 @@ pub struct JobDetail {
     /// The requester's evaluation of the deliveries, when the offer has terms.
     #[serde(default)]
     pub evaluation: Option<EvaluationView>,
+    /// Spot checks: the rate, the job this one re-runs a task of (for a check job), and
+    /// each checked task's runs and verdict.
+    #[serde(default)]
+    pub spot: cannabis_market::spot::SpotChecks,
 }
 
 /// Where a job's evaluation stands.
@@ -546,6 +550,7 @@ impl JobDetail {
             escrow: None,
             evaluation_terms: job.offer().evaluation.clone(),
             evaluation: job.evaluation().map(EvaluationView::of),
+            spot: job.spot().clone(),
         }
     }
 }
@@ -710,6 +715,15 @@ pub enum Verdict {
 pub struct Partition {
     /// Peer ids.
     pub peers: Vec<String>,
+}
+
+/// `POST /v1/testnet/corrupt` (testnet nodes only): whether this node's deliveries carry
+/// wrong outputs from now on (the first byte of each flipped before it is hashed), as a
+/// worker that fabricates results would.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Corrupt {
+    /// On or off.
+    pub on: bool,
 }
 
 /// `POST /v1/ledger/submit`: a transaction signed elsewhere (by a key this node does not

@@ -313,6 +313,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         acceptance: Vec::new(),
         evaluation: None,
         early: Some(Early::FirstBids(1)),
+        spot_check_ppm: 0,
     };
     let submitted = requester_node
         .market

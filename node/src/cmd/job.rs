@@ -467,6 +467,27 @@ fn submit(
                 "this node keeps no ledger: the job is not settled (nothing is locked or paid)"
             )?,
         }
+        if template.spot_check_ppm > 0 {
+            let checkable: u64 = template
+                .tasks
+                .iter()
+                .filter(|t| {
+                    t.group_size <= 1
+                        && t.depends_on.is_empty()
+                        && t.workload.adapter != cannabis_protocol::AdapterKind::Synthetic
+                })
+                .map(|t| t.budget.0)
+                .sum();
+            let expected = u128::from(checkable) * u128::from(template.spot_check_ppm)
+                / u128::from(cannabis_market::spot::PPM);
+            out!(
+                "spot checks: {:.1}% of delivered tasks re-run on another worker (a third when \
+                 they disagree), each a job of its own: about {expected} more on average, at \
+                 most {} (two re-runs of every checkable task), beyond this budget",
+                f64::from(template.spot_check_ppm) / 10_000.0,
+                2 * u128::from(checkable)
+            )?;
+        }
         if let Some(terms) = &template.evaluation {
             out!(
                 "evaluated on this node once delivered: {} on {} held-out file(s) (never sent \
@@ -586,13 +607,16 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
                     format!(", work {}: {}", p.stage.name(), p.detail)
                 }
             });
-            let product = match &r.product {
+            let mut product = match &r.product {
                 None => String::new(),
                 Some(cannabis_market::job::ProductVerdict::Passed) => ", product checked".into(),
                 Some(cannabis_market::job::ProductVerdict::Failed(why)) => {
                     format!(", product WRONG ({why}): disputed")
                 }
             };
+            if r.caught.is_some() {
+                product.push_str(", WRONG by spot check: disputed");
+            }
             out!(
                 "  rank {} {} epoch {} price {} {}{work}{product}",
                 r.rank,
@@ -610,6 +634,34 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
                 x.bytes,
                 x.total,
                 x.rate_bps / 1024
+            )?;
+        }
+        if let Some(check) = job.spot.checks.get(&(i as u32)) {
+            use cannabis_market::spot::{RunResult, SpotVerdict};
+            let verdict = match &check.verdict {
+                None => "under way".to_string(),
+                Some(SpotVerdict::Agreed) => "passed".to_string(),
+                Some(SpotVerdict::Caught { run }) => format!("run {run} caught and disputed"),
+                Some(SpotVerdict::Undecided(why)) => format!("undecided: {why}"),
+            };
+            out!("  spot check: {verdict}")?;
+            for (n, r) in check.runs.iter().enumerate() {
+                let what = match &r.result {
+                    None => "running".to_string(),
+                    Some(RunResult::Delivered { worker, .. }) => format!("delivered by {worker}"),
+                    Some(RunResult::Failed(why)) => format!("failed: {why}"),
+                };
+                out!("    run {n} (job {}): {what}", r.job)?;
+            }
+        }
+        if let Some(of) = &job.spot.of
+            && i == 0
+        {
+            out!(
+                "  a spot check of job {}'s task {} (run {})",
+                of.job,
+                of.task,
+                of.run
             )?;
         }
         let mut ranks_told = Vec::new();

@@ -350,6 +350,15 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             )?;
             Ok(())
         }
+        TestnetCommand::Corrupt { node, off, dir } => {
+            launcher::corrupt(&dir, node, !off)?;
+            if off {
+                out!("node {node} delivers its real outputs again")?;
+            } else {
+                out!("node {node} now delivers wrong outputs (the first byte of each flipped)")?;
+            }
+            Ok(())
+        }
         TestnetCommand::Heal { dir } => {
             launcher::heal(&dir)?;
             out!("healed: every node may connect to every other again")?;

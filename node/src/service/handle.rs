@@ -245,6 +245,11 @@ impl NodeHandle {
         self.ask(|tx| Command::Partition(peers, tx)).await?
     }
 
+    /// On a testnet: this node's deliveries carry wrong outputs (`on`), or right ones.
+    pub async fn corrupt(&self, on: bool) -> anyhow::Result<()> {
+        self.ask(|tx| Command::Corrupt(on, tx)).await?
+    }
+
     /// Accepts or disputes what a job delivered.
     pub async fn judge_job(
         &self,

@@ -3,6 +3,8 @@
 
 use cannabis_market::RunOrder;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cannabis_protocol::{
     AdapterKind, Address, DeliveryIdentity, DeliveryRecipient, ObjectKind, ObjectRef,
@@ -45,6 +47,7 @@ pub(super) fn spawn(
     node: mpsc::Sender<Command>,
     data_dir: PathBuf,
     identity: DeliveryIdentity,
+    corrupt: Arc<AtomicBool>,
 ) -> (mpsc::UnboundedSender<RunOrder>, tokio::task::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<RunOrder>();
     let (staged_tx, mut staged_rx) =
@@ -168,6 +171,7 @@ pub(super) fn spawn(
                     requester: *requester,
                     to: *deliver_to,
                     data_dir: data_dir.clone(),
+                    corrupt: corrupt.clone(),
                 }),
                 _ => None,
             };
@@ -332,6 +336,8 @@ struct Delivery {
     requester: Address,
     to: Option<DeliveryRecipient>,
     data_dir: PathBuf,
+    /// A testnet fault: deliver wrong outputs ([`crate::delivery::SealOrder::corrupt`]).
+    corrupt: Arc<AtomicBool>,
 }
 
 /// Reports each stage a leased attempt reaches (admitted, preparing, running, then how it
@@ -411,6 +417,7 @@ fn seal(ex: &ExecutorHandle, d: &Delivery, attempt: &Attempt) -> Result<Command,
         outputs: d.outputs.clone(),
         requester: d.requester,
         to,
+        corrupt: d.corrupt.load(Ordering::Relaxed),
     };
     let outputs = crate::delivery::seal(&d.data_dir, ex, &order)?;
     let exit = attempt.exit.as_ref();

@@ -130,7 +130,7 @@ fn a_confidential_job_runs_only_on_the_dev_attested_node_of_a_testnet() {
 }
 
 #[test]
-fn outside_a_testnet_the_dev_attestation_and_confidential_jobs_are_refused() {
+fn outside_a_testnet_the_dev_attestation_confidential_jobs_and_testnet_faults_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let fee = cannabis_market::testkit::fee_terms();
     let config = |attestation: &str| {
@@ -188,4 +188,20 @@ fn outside_a_testnet_the_dev_attestation_and_confidential_jobs_are_refused() {
         "{e}"
     );
     assert!(client(&data).jobs().unwrap().is_empty());
+
+    // The testnet's faults are refused by an ordinary node.
+    let e = client(&data)
+        .post::<_, cannabis_api::Corrupt>(
+            "/v1/testnet/corrupt",
+            &cannabis_api::Corrupt { on: true },
+        )
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("only a testnet node"), "{e:#}");
+    let e = client(&data)
+        .post::<_, cannabis_api::Partition>(
+            "/v1/testnet/partition",
+            &cannabis_api::Partition { peers: Vec::new() },
+        )
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("only a testnet node"), "{e:#}");
 }

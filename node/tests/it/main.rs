@@ -16,6 +16,7 @@ mod metrics;
 mod net;
 mod scenario;
 mod settle;
+mod spot;
 mod supervisor;
 mod swarm;
 mod testnet;

@@ -65,6 +65,11 @@ fn the_paused_worker_scenario_passes() {
 }
 
 #[test]
+fn the_fabricating_worker_scenario_passes() {
+    shipped("fabricating-worker.toml");
+}
+
+#[test]
 fn a_scenario_that_cannot_hold_fails_at_its_step() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("wrong.toml");
