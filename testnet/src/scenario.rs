@@ -487,9 +487,17 @@ fn job_holds(state: &str) -> anyhow::Result<fn(&JobDetail) -> bool> {
                     .any(|a| matches!(a.stage, Stage::Disputed { .. }))
             })
         },
+        "caught" => |j| {
+            j.spot.checks.values().any(|c| {
+                matches!(
+                    c.verdict,
+                    Some(cannabis_market::spot::SpotVerdict::Caught { .. })
+                )
+            })
+        },
         other => bail!(
             "{other:?} is not a job state a scenario knows: placed, running, replaced, \
-             completed, failed, settled, paid, disputed"
+             completed, failed, settled, paid, disputed, caught"
         ),
     })
 }
