@@ -2,7 +2,9 @@
 //!
 //! Every request must carry `Authorization: Bearer <token>`, where the token is the content
 //! of `api.token` in the data directory (created with mode 0600 on first start). Anyone who
-//! can read that file can control the node; nobody else can.
+//! can read that file can control the node; nobody else can. The web dashboard ([`ui`])
+//! logs in with that token and then calls the same endpoints with a session cookie, a CSRF
+//! token and its own origin.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -20,6 +22,7 @@ use serde::Deserialize;
 use crate::keystore;
 
 pub mod exec;
+pub mod ui;
 use crate::service::{NodeHandle, OfferTemplate};
 
 /// The token file's name in the data directory.
@@ -66,6 +69,8 @@ impl From<anyhow::Error> for Error {
 struct AppState {
     node: NodeHandle,
     token: std::sync::Arc<str>,
+    /// The dashboard's sessions ([`ui`]).
+    sessions: std::sync::Arc<ui::Sessions>,
 }
 
 async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
@@ -78,6 +83,17 @@ async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Re
         Some(t) if constant_time_eq(t.as_bytes(), state.token.as_bytes()) => {
             next.run(request).await
         }
+        // The dashboard: a session's cookie, from its own origin, with its CSRF token.
+        None => match ui::check_session(&state, &request) {
+            Some(Ok(())) => next.run(request).await,
+            Some(Err(e)) => e.into_response(),
+            None => Error(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong API token: send `Authorization: Bearer <contents of api.token>`"
+                    .into(),
+            )
+            .into_response(),
+        },
         _ => Error(
             StatusCode::UNAUTHORIZED,
             "missing or wrong API token: send `Authorization: Bearer <contents of api.token>`"
@@ -111,6 +127,7 @@ pub fn serve(
     let state = AppState {
         node,
         token: token.into(),
+        sessions: Default::default(),
     };
     let app = Router::new()
         .route("/v1/status", get(status))
@@ -147,6 +164,7 @@ pub fn serve(
         // Prometheus scrapes without the token: the API listens on loopback only, and
         // the figures name no secret.
         .route("/metrics", get(metrics))
+        .merge(ui::routes())
         .with_state(state);
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {

@@ -379,6 +379,11 @@ pub(crate) enum NodeCommand {
         #[command(flatten)]
         format: Format,
     },
+    /// Where the running node's web dashboard is, and the token file to log in with.
+    Dashboard {
+        #[command(flatten)]
+        format: Format,
+    },
     /// The running node's connected peers, with their gossip scores.
     Peers {
         #[command(flatten)]

@@ -102,7 +102,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(exec_error)
 }
 
-async fn status_of(s: &AppState) -> ExecStatus {
+pub(super) async fn status_of(s: &AppState) -> ExecStatus {
     let unavailable = |why: String, mode: Option<ExecMode>| ExecStatus {
         unavailable: Some(why),
         mode,

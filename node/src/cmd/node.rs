@@ -115,6 +115,27 @@ pub(super) fn run(
             Ok(())
         }
         NodeCommand::Jobs { id, format } => super::exec::jobs(data_dir, id.as_deref(), format.json),
+        NodeCommand::Dashboard { format } => {
+            let info = cannabis_api::NodeInfo::read(data_dir)?;
+            let api = info
+                .api
+                .context("the node's local API is not listening (node.json has no api)")?;
+            let url = format!("http://{api}/ui/");
+            let token = data_dir.join(api::TOKEN_FILE);
+            if format.json {
+                return output::json(&serde_json::json!({
+                    "url": url,
+                    "token_file": token,
+                }));
+            }
+            out!("{url}")?;
+            out!(
+                "log in with the token in {} (only on this machine: the dashboard, like the \
+                 API, listens on loopback)",
+                token.display()
+            )?;
+            Ok(())
+        }
         NodeCommand::Pause => {
             super::exec::control(data_dir, cannabis_runtime::exec::Control::Paused)
         }

@@ -3,6 +3,7 @@
 mod ads;
 mod cli;
 mod confidential;
+mod dashboard;
 mod delivery;
 mod disk;
 mod evaluate;
