@@ -52,6 +52,9 @@ pub struct Metrics {
     pub store_bytes: Gauge,
     /// The last ledger block this node applied.
     pub ledger_height: Gauge,
+    /// Each GPU's utilisation (NVML), by UUID, read at each scrape; no series on a
+    /// machine without NVIDIA GPUs.
+    pub gpu_utilization: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -76,6 +79,7 @@ impl Metrics {
             transfer_bytes: Family::default(),
             store_bytes: Gauge::default(),
             ledger_height: Gauge::default(),
+            gpu_utilization: Family::default(),
             registry: Registry::default(),
         };
         registry.register("peers", "Connected peers", m.peers.clone());
@@ -147,7 +151,23 @@ impl Metrics {
             "The last ledger block this node applied",
             m.ledger_height.clone(),
         );
+        registry.register(
+            "gpu_utilization_percent",
+            "Each GPU's utilisation as NVML reports it, by UUID, when scraped",
+            m.gpu_utilization.clone(),
+        );
         Arc::new(Self { registry, ..m })
+    }
+
+    /// Sets the GPUs' utilisation from a probe: one series per device; none when the
+    /// machine has no NVIDIA driver or NVML failed.
+    pub fn set_gpus(&self, report: &cannabis_runtime::gpu::GpuReport) {
+        let counts: Vec<(String, i64)> = report
+            .gpus()
+            .iter()
+            .map(|g| (g.uuid.clone(), i64::from(g.utilization_pct)))
+            .collect();
+        set_all(&self.gpu_utilization, "gpu", &counts);
     }
 
     /// Prometheus' text exposition format (0.0.4), which every scraper and `promtool`
@@ -222,6 +242,41 @@ pub fn set_all(family: &Family<Labels, Gauge>, name: &'static str, counts: &[(St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_gpu_has_its_utilisation_and_a_machine_without_gpus_has_none() {
+        use cannabis_runtime::gpu::GpuReport;
+        let m = Metrics::new();
+        let gpu = |uuid: &str, pct: u8| cannabis_protocol::Gpu {
+            uuid: uuid.into(),
+            name: "NVIDIA H100".into(),
+            vendor: cannabis_protocol::GpuVendor::Nvidia,
+            memory_bytes: 80 << 30,
+            driver_version: "570.86".into(),
+            toolkit_version: "12.8".into(),
+            compute_capability: "9.0".into(),
+            utilization_pct: pct,
+            allowed: true,
+        };
+        m.set_gpus(&GpuReport::Devices {
+            driver_version: "570.86".into(),
+            cuda_version: "12.8".into(),
+            gpus: vec![gpu("GPU-a", 97), gpu("GPU-b", 3)],
+        });
+        let text = m.encode();
+        assert!(
+            text.contains("cannabis_gpu_utilization_percent{gpu=\"GPU-a\"} 97"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cannabis_gpu_utilization_percent{gpu=\"GPU-b\"} 3"),
+            "{text}"
+        );
+        m.set_gpus(&GpuReport::NoDriver {
+            detail: "libnvidia-ml.so.1: not found".into(),
+        });
+        assert!(!m.encode().contains("cannabis_gpu_utilization_percent{"));
+    }
 
     #[test]
     fn the_text_names_every_family_and_labels_what_moved() {

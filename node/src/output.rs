@@ -42,3 +42,17 @@ pub(crate) fn is_broken_pipe(e: &anyhow::Error) -> bool {
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
 }
+
+/// A spinner on standard error naming what is awaited; hidden with `--json` or when
+/// standard error is not a terminal.
+pub(crate) fn spinner(quiet: bool) -> indicatif::ProgressBar {
+    use std::io::IsTerminal as _;
+    if quiet || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {elapsed} {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}

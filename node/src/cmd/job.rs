@@ -116,7 +116,7 @@ pub(super) fn run(
                 .map_or(0, |t| t.limits.wall_ms)
                 .saturating_add(60_000);
             let until = std::time::Instant::now() + std::time::Duration::from_millis(limit);
-            let bar = spinner(format.json);
+            let bar = output::spinner(format.json);
             let job = loop {
                 let job = client.job(&id)?;
                 if job
@@ -215,22 +215,60 @@ fn undelivered(job: &JobDetail, tasks: &[usize]) -> Vec<String> {
     missing
 }
 
+/// Where the first task still to deliver stands, for a progress line: its bids while it
+/// takes them, then its worker and what the worker last reported.
+fn awaiting(job: &JobDetail, tasks: &[usize], now_ms: u64) -> String {
+    let Some(&i) = tasks.iter().find(|&&i| {
+        let t = &job.tasks[i];
+        (0..t.group_size).any(|r| {
+            !t.ranks
+                .iter()
+                .any(|a| a.rank == r && a.state == LeaseState::Done)
+        })
+    }) else {
+        return "fetching the outputs".into();
+    };
+    let t = &job.tasks[i];
+    let live: Vec<_> = t
+        .ranks
+        .iter()
+        .filter(|a| a.state != LeaseState::Done && a.state != LeaseState::Ended)
+        .collect();
+    if live.is_empty() {
+        let left = job.summary.bids_until_ms.saturating_sub(now_ms) / 1000;
+        let window = if left > 0 {
+            format!(", placed in {left} s at the latest")
+        } else {
+            String::new()
+        };
+        return format!(
+            "task {}: waiting for bids ({} in{window})",
+            t.name,
+            t.bids.len()
+        );
+    }
+    let a = live[0];
+    let worker = a.worker.to_string();
+    let worker = worker.get(..16).unwrap_or(&worker);
+    match &a.progress {
+        None if a.state == LeaseState::Offered => {
+            format!(
+                "task {}: awarded to {worker}..., waiting for its acceptance",
+                t.name
+            )
+        }
+        None => format!("task {}: leased to {worker}... (epoch {})", t.name, a.epoch),
+        Some(p) => format!(
+            "task {}: {} on {worker}... (epoch {})",
+            t.name,
+            p.stage.name(),
+            a.epoch
+        ),
+    }
+}
+
 /// How often `job results --wait` asks the node.
 const WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
-
-/// A spinner on standard error naming what is awaited; hidden with `--json` or when
-/// standard error is not a terminal.
-fn spinner(quiet: bool) -> indicatif::ProgressBar {
-    use std::io::IsTerminal as _;
-    if quiet || !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new_spinner();
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {elapsed} {msg}") {
-        bar.set_style(style);
-    }
-    bar
-}
 
 /// Polls the node until every rank of the chosen tasks delivered and its outputs are here,
 /// drawing progress on standard error: a bar over the bytes on their way while outputs
@@ -283,7 +321,10 @@ fn wait_delivered(
             bar.set_message("outputs on their way");
         } else {
             bar.set_style(waiting.clone());
-            bar.set_message(format!("waiting for {}", missing.join(", ")));
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            bar.set_message(awaiting(&job, &tasks, now_ms));
         }
         bar.tick();
         std::thread::sleep(WAIT_POLL);

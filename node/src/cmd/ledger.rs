@@ -423,8 +423,14 @@ pub(crate) fn run(command: LedgerCommand, data_dir: &Path) -> anyhow::Result<()>
         }
         LedgerCommand::Compute { size, wait, format } => {
             let c = client.compute(size)?;
-            let included =
-                wait > 0 && wait_in_block(&client, &c.submitted.from, c.submitted.nonce, wait)?;
+            let included = wait > 0
+                && wait_in_block(
+                    &client,
+                    &c.submitted.from,
+                    c.submitted.nonce,
+                    wait,
+                    format.json,
+                )?;
             if format.json {
                 #[derive(Serialize)]
                 struct Out<'a> {
@@ -594,7 +600,7 @@ pub(crate) fn resolve(command: LedgerCommand, data_dir: &Path) -> anyhow::Result
     let submitted = client.submit_tx(&cannabis_api::SubmitTx {
         tx: hex::encode(signed.to_bytes()),
     })?;
-    let included = wait > 0 && wait_in_block(&client, &me.to_string(), nonce, wait)?;
+    let included = wait > 0 && wait_in_block(&client, &me.to_string(), nonce, wait, format.json)?;
     if format.json {
         return output::json(&serde_json::json!({
             "submitted": submitted,
@@ -619,16 +625,24 @@ fn wait_in_block(
     address: &str,
     nonce: u64,
     secs: u64,
+    quiet: bool,
 ) -> anyhow::Result<bool> {
     let until = Instant::now() + std::time::Duration::from_secs(secs);
+    let bar = crate::output::spinner(quiet);
+    bar.set_message(format!(
+        "waiting for a block to hold transaction {nonce} of {address}"
+    ));
     loop {
         let b = client.balance(Some(address))?;
         if b.nonce > nonce {
+            bar.finish_and_clear();
             return Ok(true);
         }
         if Instant::now() >= until {
+            bar.finish_and_clear();
             return Ok(false);
         }
+        bar.tick();
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
@@ -666,7 +680,7 @@ pub(crate) fn wallet(command: WalletCommand, data_dir: &Path) -> anyhow::Result<
             format,
         } => {
             let s = client.send(&to, amount)?;
-            let included = wait > 0 && wait_in_block(&client, &s.from, s.nonce, wait)?;
+            let included = wait > 0 && wait_in_block(&client, &s.from, s.nonce, wait, format.json)?;
             report(&s, wait, included, format.json)
         }
         WalletCommand::Faucet { wait, format } => {
@@ -674,7 +688,9 @@ pub(crate) fn wallet(command: WalletCommand, data_dir: &Path) -> anyhow::Result<
             let s = client.faucet()?;
             let included = if wait > 0 {
                 let until = Instant::now() + std::time::Duration::from_secs(wait);
-                loop {
+                let bar = output::spinner(format.json);
+                bar.set_message("waiting for a block to hold the faucet's grant");
+                let held = loop {
                     let b = client.balance(None)?;
                     if b.balance > me.balance {
                         break true;
@@ -682,8 +698,11 @@ pub(crate) fn wallet(command: WalletCommand, data_dir: &Path) -> anyhow::Result<
                     if Instant::now() >= until {
                         break false;
                     }
+                    bar.tick();
                     std::thread::sleep(std::time::Duration::from_millis(100));
-                }
+                };
+                bar.finish_and_clear();
+                held
             } else {
                 false
             };

@@ -77,6 +77,15 @@ impl NodeHandle {
                 &refused.into_iter().collect::<Vec<_>>(),
             );
         }
+        // NVML is asked at each scrape (off the async threads): the utilisation while
+        // jobs run is what operators watch.
+        if let Ok(report) = tokio::task::spawn_blocking(|| {
+            cannabis_runtime::gpu::probe(&cannabis_runtime::gpu::Nvml, &[])
+        })
+        .await
+        {
+            self.metrics.set_gpus(&report);
+        }
         Ok(self.metrics.encode())
     }
 
