@@ -38,6 +38,7 @@
 
 mod bytes;
 pub mod challenge;
+pub mod channel;
 mod codec;
 pub mod draw;
 #[doc(hidden)]

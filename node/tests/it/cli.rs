@@ -64,6 +64,53 @@ fn keys_new_show_and_address_agree() {
     assert!(stdout(&table).contains(&address));
 }
 
+/// The operator guide's backup and restore, command for command: the keys archived with
+/// their modes and unpacked into a fresh data directory give the same address, and the
+/// node accepts them (it refuses keys others can read).
+#[test]
+fn the_guides_backup_and_restore_keep_the_nodes_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = dir.path().join("old");
+    assert!(cannabis(&old, &["keys", "new"]).status.success());
+    let address = stdout(&cannabis(&old, &["keys", "address"]));
+    let archive = dir.path().join("cannabis-keys.tar");
+    let ok = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&old)
+        .arg("-cpf")
+        .arg(&archive)
+        .arg("keys")
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "tar -cpf");
+    let new = dir.path().join("new");
+    std::fs::create_dir_all(&new).unwrap();
+    let ok = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&new)
+        .arg("-xpf")
+        .arg(&archive)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "tar -xpf");
+    assert_eq!(mode(&new.join("keys")), 0o700);
+    assert_eq!(mode(&new.join("keys/node.key")), 0o600);
+    let restored = cannabis(&new, &["keys", "address"]);
+    assert!(restored.status.success(), "{}", stderr(&restored));
+    assert_eq!(stdout(&restored), address);
+    let shown = cannabis(&new, &["keys", "show", "--json"]);
+    let old_shown = cannabis(&old, &["keys", "show", "--json"]);
+    let field = |o: &std::process::Output, k: &str| {
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()[k].clone()
+    };
+    assert_eq!(
+        field(&shown, "delivery_recipient"),
+        field(&old_shown, "delivery_recipient")
+    );
+}
+
 #[test]
 fn existing_keys_are_never_silently_replaced() {
     let dir = tempfile::tempdir().unwrap();

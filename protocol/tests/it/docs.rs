@@ -145,6 +145,31 @@ fn protocol_doc_names_every_field_and_variant() {
     }
 }
 
+/// The group channel's names and its example pre-shared key, as the code computes them.
+#[test]
+fn the_group_channels_names_and_example_are_the_codes() {
+    use cannabis_protocol::channel;
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/protocol.md"))
+        .expect("docs/protocol.md exists");
+    assert!(doc.contains(&format!("`{}`", channel::PATTERN)));
+    for domain in [channel::PSK_DOMAIN, channel::PROLOGUE_DOMAIN] {
+        assert!(
+            doc.contains(&format!("\"{domain}\"")),
+            "{domain} missing from docs/protocol.md"
+        );
+    }
+    let r = cannabis_protocol::Rendezvous {
+        id: "09090909-0909-4909-8909-090909090909".parse().unwrap(),
+        roster: Vec::new(),
+    };
+    let psk = hex::encode(channel::psk(&r, 3));
+    assert_eq!(
+        psk,
+        "c4c8d48f60c38774a211f1c7298a51714aa8a50c1efd00a8f2537c038afbf1ac"
+    );
+    assert!(doc.contains(&psk));
+}
+
 /// The examples of the spec's conventions, encoded by the code: the bytes they name are the
 /// bytes the code writes.
 #[test]
