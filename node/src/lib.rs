@@ -8,6 +8,7 @@ pub mod config;
 pub mod delivery;
 pub mod evaluate;
 pub mod exec;
+pub mod group;
 pub mod keystore;
 pub mod logging;
 pub mod metrics;
