@@ -71,6 +71,32 @@ struct AppState {
     token: std::sync::Arc<str>,
     /// The dashboard's sessions ([`ui`]).
     sessions: std::sync::Arc<ui::Sessions>,
+    /// Turns true when the API stops: streams that would never end by themselves (the
+    /// dashboard's events) end then.
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+/// The running API: [`Server::stop`] ends it.
+pub struct Server {
+    task: tokio::task::JoinHandle<()>,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+impl Server {
+    /// Stops taking connections, closes idle ones, ends the event streams and waits (a
+    /// few seconds at most) for requests under way; the node's handles the connections
+    /// held are then gone, so the node can stop.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let mut task = self.task;
+        if tokio::time::timeout(std::time::Duration::from_secs(3), &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+            let _ = task.await;
+        }
+    }
 }
 
 async fn auth(State(state): State<AppState>, request: Request, next: Next) -> Response {
@@ -119,15 +145,13 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
 }
 
 /// Serves the API on `listener` until the task is dropped.
-pub fn serve(
-    listener: tokio::net::TcpListener,
-    node: NodeHandle,
-    token: String,
-) -> tokio::task::JoinHandle<()> {
+pub fn serve(listener: tokio::net::TcpListener, node: NodeHandle, token: String) -> Server {
+    let (stop, stopping) = tokio::sync::watch::channel(false);
     let state = AppState {
         node,
         token: token.into(),
         sessions: Default::default(),
+        stopping: stopping.clone(),
     };
     let app = Router::new()
         .route("/v1/status", get(status))
@@ -166,11 +190,19 @@ pub fn serve(
         .route("/metrics", get(metrics))
         .merge(ui::routes())
         .with_state(state);
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+    let mut until = stopping;
+    let task = tokio::spawn(async move {
+        let stopped = async move {
+            let _ = until.wait_for(|s| *s).await;
+        };
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
             tracing::error!(error = %e, "local API stopped");
         }
-    })
+    });
+    Server { task, stop }
 }
 
 async fn ledger_status(State(s): State<AppState>) -> Result<Json<api::LedgerStatus>, Error> {

@@ -346,9 +346,23 @@ async fn events(State(s): State<AppState>, headers: HeaderMap) -> Response {
     }
     let stream = futures::stream::unfold((s, None::<String>), |(s, last)| async move {
         let mut first = last.is_none();
+        let mut stopping = s.stopping.clone();
         loop {
+            if *stopping.borrow() {
+                // The node is stopping: the stream ends, and with it the connection.
+                return None;
+            }
             if !first {
-                tokio::time::sleep(PULSE_EVERY).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(PULSE_EVERY) => {}
+                    changed = stopping.changed() => {
+                        // Told to stop, or the server is gone: either way, the end.
+                        if changed.is_err() {
+                            return None;
+                        }
+                        continue;
+                    }
+                }
             }
             first = false;
             let json = serde_json::to_string(&pulse(&s).await).unwrap_or_default();

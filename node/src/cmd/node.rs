@@ -257,8 +257,7 @@ fn run_node(args: &RunArgs, data_dir: &Path, log_format: LogFormat) -> anyhow::R
         info!(api = %api_addr, data_dir = %data_dir.display(), "local API listening");
         wait_for_stop().await;
         info!("stopping");
-        server.abort();
-        let _ = server.await;
+        server.stop().await;
         drop(handle);
         if tokio::time::timeout(Duration::from_secs(5), task)
             .await

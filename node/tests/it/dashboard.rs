@@ -162,6 +162,77 @@ fn the_dashboard_refuses_requests_without_the_token_a_session_or_its_own_origin(
     drop(net);
 }
 
+/// An open dashboard (its event stream, which never ends by itself, and the browser's
+/// idle connections) does not hold its node up: on SIGTERM the node stops at once instead
+/// of waiting out its 5 s bound for the handles those connections held.
+#[test]
+fn a_node_with_its_dashboard_open_stops_without_waiting_for_it() {
+    use std::io::Read as _;
+    let dir = tempfile::tempdir().unwrap();
+    let net = super::testnet::Testnet::up(&dir.path().join("net"), 1);
+    let node = net.nodes()[0].clone();
+    let api = api_of(&node);
+    let own = format!("http://{api}");
+    let (_, cookie) = login(&api, &token_of(&node), &own);
+    let session = cookie.unwrap().split(';').next().unwrap().to_string();
+    let a = agent();
+    // An idle keep-alive connection, and an event stream read until it ends.
+    let r = a
+        .get(format!("http://{api}/v1/status"))
+        .header("Cookie", &session)
+        .call()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let events = a
+        .get(format!("http://{api}/ui/events"))
+        .header("Cookie", &session)
+        .call()
+        .unwrap();
+    assert_eq!(events.status().as_u16(), 200);
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = events.into_body().into_reader().read_to_string(&mut text);
+        text
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let record: Value =
+        serde_json::from_str(&std::fs::read_to_string(net.dir.join("testnet.json")).unwrap())
+            .unwrap();
+    let pid = record["nodes"][0]["pid"].as_u64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    // Gone, or a zombie its parent (`testnet up`) has yet to reap.
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                != Some("Z")
+        })
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while alive(pid) {
+        assert!(Instant::now() < until, "the node did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let text = reader.join().unwrap();
+    assert!(text.contains("event: pulse"), "{text}");
+    let log = std::fs::read_to_string(node.join("node.log")).unwrap();
+    assert!(log.contains("stopping"), "{log}");
+    assert!(
+        !log.contains("did not stop within"),
+        "the node waited for its dashboard's connections: {log}"
+    );
+    assert!(
+        !node.join("node.json").exists(),
+        "a clean stop removes node.json"
+    );
+    drop(net);
+}
+
 /// Where a program is on `PATH`.
 fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
