@@ -57,9 +57,10 @@ fn the_sequencer_restart_scenario_passes() {
     shipped("sequencer-restart.toml");
 }
 
+/// Runs alone (`.config/nextest.toml`): in its one failure, with other tests beside it on
+/// two cores, the job failed before it ran, most likely for want of bids within its window
+/// (now 5 s instead of 2).
 #[test]
-#[ignore = "failed once in a fresh-clone CI run (the job failed before it ran; its reason was \
-            not printed then): run with --ignored; see the closing note"]
 fn the_paused_worker_scenario_passes() {
     shipped("paused-worker.toml");
 }
