@@ -17,9 +17,14 @@ fn job_file(name: &str, spot_check: f64) -> String {
         r#"
 name = "{name}"
 deadline = "10m"
-bid_window = "2s"
+bid_window = "10s"
 review_window = "10m"
 spot_check = {spot_check}
+
+# Placed once every worker bid (the cheapest, the cheat, then gets it): with two honest
+# workers only, a check that never met the cheat would pass.
+[early]
+first_bids = 3
 
 [[task]]
 name = "{name}"
