@@ -162,7 +162,7 @@ impl SpotCheck {
 
     /// What comes next, from the runs so far: the decision rule of the module's docs.
     pub fn next(&self) -> Next {
-        if self.runs.iter().any(|r| r.result.is_none()) || self.runs.len() < 2 {
+        if self.runs.len() < 2 {
             return Next::Wait;
         }
         let mut outputs = Vec::with_capacity(self.runs.len());
@@ -201,6 +201,15 @@ impl SpotCheck {
             _ => Next::Decided(SpotVerdict::Undecided("too many runs".into())),
         }
     }
+}
+
+/// Whether a task can be spot-checked: one rank, no inputs from other tasks, and not the
+/// synthetic task (its product is checked exactly). The engine draws only these, and the
+/// quote counts only these.
+pub fn checkable(task: &cannabis_protocol::TaskSpec) -> bool {
+    task.group_size <= 1
+        && task.depends_on.is_empty()
+        && task.workload.adapter != cannabis_protocol::AdapterKind::Synthetic
 }
 
 /// Whether task `task` of `job` is drawn for a check at `rate_ppm`: a keyed hash of the

@@ -202,8 +202,6 @@ impl Market {
     ) -> Result<CommandOk, CommandError> {
         let now = self.now;
         let j = self.job_mut(job)?;
-        let spot = j.spot().clone();
-        let spot = &spot;
         if *j.escrow() == Escrowed::Unsettled {
             return Err(CommandError::Unsettled(job));
         }
@@ -216,6 +214,7 @@ impl Market {
             None => Outcome::Rejected,
         };
         let dispute = reason.is_some();
+        let spot = j.spot();
         let delivered: Vec<EscrowSettle> = j
             .tasks()
             .iter()

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use cannabis_protocol::{AdapterKind, EscrowSettle, EvaluationOutcome, NamedDigest, Outcome, Uuid};
+use cannabis_protocol::{EscrowSettle, EvaluationOutcome, NamedDigest, Outcome, Uuid};
 
 use super::{CommandOk, Market, Output, RecordKey, Settle};
 use crate::OfferTemplate;
@@ -49,10 +49,7 @@ impl Market {
             self.spot_run_ended(of, result);
             return;
         }
-        let spec = &j.offer().tasks[task as usize];
-        let checkable = spec.group_size <= 1
-            && spec.depends_on.is_empty()
-            && spec.workload.adapter != AdapterKind::Synthetic
+        let checkable = crate::spot::checkable(&j.offer().tasks[task as usize])
             && !j.spot().checks.contains_key(&task);
         if !checkable || !drawn(&self.config.spot_secret, &job, task, j.spot().rate_ppm) {
             return;

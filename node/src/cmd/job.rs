@@ -512,11 +512,7 @@ fn submit(
             let checkable: u64 = template
                 .tasks
                 .iter()
-                .filter(|t| {
-                    t.group_size <= 1
-                        && t.depends_on.is_empty()
-                        && t.workload.adapter != cannabis_protocol::AdapterKind::Synthetic
-                })
+                .filter(|t| cannabis_market::spot::checkable(t))
                 .map(|t| t.budget.0)
                 .sum();
             let expected = u128::from(checkable) * u128::from(template.spot_check_ppm)
