@@ -33,8 +33,8 @@ use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest,
     DeliveryRecipient, Digest, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle, FeeTerms,
     Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest,
-    OutputDigest, Received, ResourceUsage, ResultCommit, RunReport, RunStage, Signed, TaskSpec,
-    Timestamp, TxPayload, Uuid,
+    OutputDigest, Received, Rendezvous, ResourceUsage, ResultCommit, RunReport, RunStage, Signed,
+    TaskSpec, Timestamp, TxPayload, Uuid,
 };
 
 use crate::attest::AttestationPolicy;
@@ -605,6 +605,9 @@ pub enum RunOrder {
         deliver_to: Option<DeliveryRecipient>,
         /// The award's pinned digests of the inputs that earlier tasks delivered.
         inputs: Vec<NamedDigest>,
+        /// The group attempt this rank belongs to, for a group task: the ranks that reach
+        /// each other through the group's channel while the lease holds.
+        group: Option<Box<Rendezvous>>,
     },
     /// The lease was renewed: the attempt may run until `until`.
     Renew {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, DeliveryRecipient, Digest, LeaseAccept, LeaseRenewal,
-    NamedDigest, TaskSpec, Timestamp, Uuid,
+    NamedDigest, Rendezvous, TaskSpec, Timestamp, Uuid,
 };
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +69,10 @@ pub struct Lease {
     /// The award's pinned digests of inputs that earlier tasks delivered.
     #[serde(default)]
     pub inputs: Vec<NamedDigest>,
+    /// The group attempt this rank belongs to (a group task's award names it): who the
+    /// other ranks are, for the group's private channel.
+    #[serde(default)]
+    pub rendezvous: Option<Box<Rendezvous>>,
 }
 
 impl Lease {
@@ -283,6 +287,7 @@ impl Leases {
                 task: sent.task.clone(),
                 deliver_to: sent.deliver_to,
                 inputs: award.inputs.clone(),
+                rendezvous: award.rendezvous.clone().map(Box::new),
             },
         );
         let accept = LeaseAccept {

@@ -9,13 +9,97 @@
 //! sandbox. A peer that fails the handshake reaches nothing.
 //!
 //! Frames on the stream: a 2-byte big-endian length, then that many bytes (one Noise
-//! message, at most 65,535).
+//! message, at most 65,535). The first frame, in the clear, is the [`Opening`]: which
+//! group attempt, which ranks, which port.
+//!
+//! On a node, [`Groups`] keeps the group attempts whose leases it holds. For each, a
+//! directory `groups/<rendezvous id>-<epoch>/` in the data dir (owner only) holds the
+//! Unix sockets the workload's side uses: a rank above 0 finds `to-0-<port>.sock`, on
+//! which the node listens and carries each connection to rank 0's node; rank 0's node
+//! connects what arrives for `port` to `service-<port>.sock`, where the service in its
+//! sandbox is reached. Nothing listens on a network interface.
 
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context as _;
+use cannabis_market::lease::AssignmentKey;
 use cannabis_protocol::channel::{Channel, Handshake, MAX_PLAINTEXT};
+use cannabis_protocol::{Keypair, Rendezvous, Uuid};
+use futures::StreamExt as _;
+use libp2p::{PeerId, StreamProtocol};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::net::{UnixListener, UnixStream};
+use tokio_util::compat::FuturesAsyncReadCompatExt as _;
+use tracing::{debug, info, warn};
+
+/// Protocol id of a group channel's streams on the swarm.
+pub const GROUP_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/group/1");
+
+/// The port of rank 0's rendezvous service (PyTorch's `MASTER_PORT` default): the
+/// endpoint every rank above 0 is given.
+pub const RENDEZVOUS_PORT: u16 = 29_500;
+
+/// How long the opener of a stream has for its opening and the handshake.
+const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Streams being opened or handshaken at once, from all peers together: a peer opening
+/// streams it never completes holds at most these, for at most [`OPENING_TIMEOUT`].
+const MAX_OPENING: usize = 64;
+
+/// The first frame of a channel stream, in the clear: what its opener wants to reach.
+/// Nothing in it is trusted until the handshake (whose keys the rendezvous names)
+/// completes: it only says which handshake to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Opening {
+    /// The group attempt.
+    pub rendezvous: Uuid,
+    /// Its epoch.
+    pub epoch: u64,
+    /// The opener's rank.
+    pub from: u32,
+    /// The rank it wants to reach.
+    pub to: u32,
+    /// The port of that rank's service.
+    pub port: u16,
+}
+
+impl Opening {
+    /// Its length on the wire.
+    pub const LEN: usize = 34;
+
+    /// `id (16) || u64_le(epoch) || u32_le(from) || u32_le(to) || u16_le(port)`.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..16].copy_from_slice(&self.rendezvous.0);
+        b[16..24].copy_from_slice(&self.epoch.to_le_bytes());
+        b[24..28].copy_from_slice(&self.from.to_le_bytes());
+        b[28..32].copy_from_slice(&self.to.to_le_bytes());
+        b[32..34].copy_from_slice(&self.port.to_le_bytes());
+        b
+    }
+
+    /// The opening in `b`, which must be exactly [`Opening::LEN`] bytes.
+    pub fn decode(b: &[u8]) -> anyhow::Result<Self> {
+        let b: &[u8; Self::LEN] = b
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("an opening of {} bytes, not {}", b.len(), Self::LEN))?;
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&b[..16]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut epoch = [0u8; 8];
+        epoch.copy_from_slice(&b[16..24]);
+        Ok(Self {
+            rendezvous: Uuid(id),
+            epoch: u64::from_le_bytes(epoch),
+            from: u32_at(24),
+            to: u32_at(28),
+            port: u16::from_le_bytes([b[32], b[33]]),
+        })
+    }
+}
 
 /// Writes one frame.
 async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, message: &[u8]) -> anyhow::Result<()> {
@@ -108,6 +192,313 @@ where
     Ok((sent, got))
 }
 
+/// Fresh randomness for a handshake's ephemeral key.
+fn fresh() -> anyhow::Result<[u8; 32]> {
+    let mut r = [0u8; 32];
+    getrandom::getrandom(&mut r).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
+    Ok(r)
+}
+
+/// One group attempt this node holds a rank of.
+struct Member {
+    rendezvous: Rendezvous,
+    epoch: u64,
+    rank: u32,
+    /// The lease's executor request id.
+    request_id: String,
+    key: AssignmentKey,
+    dir: PathBuf,
+    /// The endpoints' listeners; each holds the connections it carries, so aborting it
+    /// ends them.
+    listeners: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        for l in &self.listeners {
+            l.abort();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The group attempts this node holds ranks of, and their channels.
+pub struct Groups {
+    keys: Keypair,
+    dir: PathBuf,
+    control: libp2p_stream::Control,
+    members: Mutex<HashMap<(Uuid, u64), Member>>,
+    opening: Arc<tokio::sync::Semaphore>,
+}
+
+impl Groups {
+    /// The groups of a node with `keys`, their directories under `data_dir/groups`
+    /// (emptied: what an earlier run left holds no channel), streams on `control`.
+    pub fn new(keys: Keypair, data_dir: &Path, control: libp2p_stream::Control) -> Arc<Self> {
+        let dir = data_dir.join("groups");
+        let _ = std::fs::remove_dir_all(&dir);
+        Arc::new(Self {
+            keys,
+            dir,
+            control,
+            members: Mutex::new(HashMap::new()),
+            opening: Arc::new(tokio::sync::Semaphore::new(MAX_OPENING)),
+        })
+    }
+
+    fn members(&self) -> std::sync::MutexGuard<'_, HashMap<(Uuid, u64), Member>> {
+        self.members.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The directory of a group attempt's endpoints.
+    pub fn dir_of(&self, rendezvous: &Uuid, epoch: u64) -> PathBuf {
+        self.dir.join(format!("{rendezvous}-{epoch}"))
+    }
+
+    /// Takes the streams other ranks open to this node, until the node stops.
+    pub fn serve(self: &Arc<Self>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+        let mut incoming = self
+            .control
+            .clone()
+            .accept(GROUP_PROTOCOL)
+            .map_err(|e| anyhow::anyhow!("group streams: {e}"))?;
+        let groups = Arc::downgrade(self);
+        Ok(tokio::spawn(async move {
+            while let Some((peer, stream)) = incoming.next().await {
+                let Some(g) = groups.upgrade() else { return };
+                let Ok(permit) = g.opening.clone().try_acquire_owned() else {
+                    debug!(%peer, "group stream refused: too many being opened");
+                    continue;
+                };
+                tokio::spawn(async move {
+                    if let Err(e) = g.answer(peer, stream.compat(), permit).await {
+                        warn!(%peer, error = %format!("{e:#}"), "group stream refused");
+                    }
+                });
+            }
+        }))
+    }
+
+    /// This node holds rank `key.2`'s lease at `epoch` of the group attempt `rendezvous`:
+    /// its endpoints open (a rank above 0 gets rank 0's rendezvous port). Joining again
+    /// changes nothing.
+    pub fn join(
+        self: &Arc<Self>,
+        request_id: &str,
+        key: AssignmentKey,
+        epoch: u64,
+        rendezvous: &Rendezvous,
+    ) -> anyhow::Result<()> {
+        let me = self.keys.address();
+        let rank = rendezvous
+            .roster
+            .iter()
+            .find(|e| e.worker == me)
+            .map(|e| e.rank)
+            .context("this node is not in the group's roster")?;
+        let id = (rendezvous.id, epoch);
+        if self.members().contains_key(&id) {
+            return Ok(());
+        }
+        let dir = self.dir_of(&rendezvous.id, epoch);
+        create_private_dir(&dir)?;
+        let mut member = Member {
+            rendezvous: rendezvous.clone(),
+            epoch,
+            rank,
+            request_id: request_id.to_owned(),
+            key,
+            dir: dir.clone(),
+            listeners: Vec::new(),
+        };
+        if rank != 0 {
+            let path = dir.join(format!("to-0-{RENDEZVOUS_PORT}.sock"));
+            let listener = UnixListener::bind(&path)
+                .with_context(|| format!("listening on {}", path.display()))?;
+            let opening = Opening {
+                rendezvous: rendezvous.id,
+                epoch,
+                from: rank,
+                to: 0,
+                port: RENDEZVOUS_PORT,
+            };
+            member
+                .listeners
+                .push(tokio::spawn(self.clone().carry(listener, opening)));
+        }
+        info!(rendezvous = %rendezvous.id, epoch, rank, ranks = rendezvous.roster.len(), dir = %dir.display(), "group channel open");
+        self.members().insert(id, member);
+        Ok(())
+    }
+
+    /// The lease of executor request `request_id` ended: its group's endpoints close and
+    /// every connection through them ends.
+    pub fn leave(&self, request_id: &str) {
+        for g in self.remove_where(|m| m.request_id == request_id) {
+            info!(rendezvous = %g.rendezvous.id, epoch = g.epoch, rank = g.rank, "group channel closed");
+        }
+    }
+
+    /// Takes out the members `pred` picks (dropping one closes its endpoints).
+    fn remove_where(&self, pred: impl Fn(&Member) -> bool) -> Vec<Member> {
+        let mut m = self.members();
+        let ids: Vec<_> = m.iter().filter(|(_, v)| pred(v)).map(|(k, _)| *k).collect();
+        ids.into_iter().filter_map(|k| m.remove(&k)).collect()
+    }
+
+    /// The node stops: every group's endpoints close.
+    pub fn close(&self) {
+        let gone: Vec<Member> = self.members().drain().map(|(_, m)| m).collect();
+        drop(gone);
+    }
+
+    /// Keeps only the group attempts whose lease `live` says still holds.
+    pub fn retain(&self, live: impl Fn(&AssignmentKey, u64) -> bool) {
+        for g in self.remove_where(|m| !live(&m.key, m.epoch)) {
+            info!(rendezvous = %g.rendezvous.id, epoch = g.epoch, rank = g.rank, "group channel closed: its lease ended");
+        }
+    }
+
+    /// Carries each connection to `listener` to the rank the opening names.
+    async fn carry(self: Arc<Self>, listener: UnixListener, opening: Opening) {
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((local, _)) => {
+                        let g = self.clone();
+                        connections.spawn(async move {
+                            match g.open(opening, local).await {
+                                Ok((up, down)) => debug!(to = opening.to, port = opening.port, up, down, "group connection ended"),
+                                Err(e) => warn!(to = opening.to, port = opening.port, error = %format!("{e:#}"), "group connection failed"),
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "group endpoint failed");
+                        return;
+                    }
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+    }
+
+    /// Opens a stream to the rank `opening` names, runs the handshake as its initiator
+    /// and forwards `local` through the channel.
+    async fn open(&self, opening: Opening, local: UnixStream) -> anyhow::Result<(u64, u64)> {
+        let rendezvous = self
+            .members()
+            .get(&(opening.rendezvous, opening.epoch))
+            .map(|m| m.rendezvous.clone())
+            .context("the group attempt ended")?;
+        let target = rendezvous
+            .roster
+            .iter()
+            .find(|e| e.rank == opening.to)
+            .context("no such rank")?
+            .worker;
+        let peer = crate::swarm::peer_of(&target).context("a rank's address is no key")?;
+        let hs = Handshake::new(
+            &self.keys,
+            &target,
+            &rendezvous,
+            opening.epoch,
+            true,
+            fresh()?,
+        )?;
+        let mut stream = self
+            .control
+            .clone()
+            .open_stream(peer, GROUP_PROTOCOL)
+            .await
+            .with_context(|| format!("opening a stream to rank {}", opening.to))?
+            .compat();
+        let channel = tokio::time::timeout(OPENING_TIMEOUT, async {
+            write_frame(&mut stream, &opening.encode()).await?;
+            establish(&mut stream, hs).await
+        })
+        .await
+        .context("the handshake timed out")??;
+        forward(channel, stream, local).await
+    }
+
+    /// A stream another node opened: its opening, the handshake as responder with the
+    /// roster's member for the opener's rank (who must be the peer that opened it), then
+    /// the connection to the service on the opening's port.
+    async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        peer: PeerId,
+        mut stream: S,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> anyhow::Result<()> {
+        let (channel, opening, dir) = tokio::time::timeout(OPENING_TIMEOUT, async {
+            let first = read_frame(&mut stream)
+                .await?
+                .context("the stream closed before its opening")?;
+            let opening = Opening::decode(&first)?;
+            let (rendezvous, rank, dir) = self
+                .members()
+                .get(&(opening.rendezvous, opening.epoch))
+                .map(|m| (m.rendezvous.clone(), m.rank, m.dir.clone()))
+                .with_context(|| {
+                    format!(
+                        "no group attempt {} at epoch {} here",
+                        opening.rendezvous, opening.epoch
+                    )
+                })?;
+            anyhow::ensure!(opening.to == rank, "rank {} is not here", opening.to);
+            let opener = rendezvous
+                .roster
+                .iter()
+                .find(|e| e.rank == opening.from)
+                .context("no such rank")?
+                .worker;
+            anyhow::ensure!(
+                crate::swarm::peer_of(&opener) == Some(peer),
+                "rank {} is not this peer",
+                opening.from
+            );
+            let hs = Handshake::new(
+                &self.keys,
+                &opener,
+                &rendezvous,
+                opening.epoch,
+                false,
+                fresh()?,
+            )?;
+            let channel = establish(&mut stream, hs).await?;
+            anyhow::Ok((channel, opening, dir))
+        })
+        .await
+        .context("the opening and handshake timed out")??;
+        drop(permit);
+        let path = dir.join(format!("service-{}.sock", opening.port));
+        let local = UnixStream::connect(&path)
+            .await
+            .with_context(|| format!("no service on port {} here", opening.port))?;
+        let (up, down) = forward(channel, stream, local).await?;
+        debug!(
+            from = opening.from,
+            port = opening.port,
+            up,
+            down,
+            "group connection served"
+        );
+        Ok(())
+    }
+}
+
+/// A directory only its owner may enter (the sockets in it are the group's way in).
+fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,6 +572,26 @@ mod tests {
         let (up, down) = one.await.unwrap().unwrap();
         assert_eq!((up, down), (sent.len() as u64, sent.len() as u64));
         zero.await.unwrap().unwrap();
+    }
+
+    #[test]
+    fn an_opening_reads_back_as_written_and_only_at_its_length() {
+        let o = Opening {
+            rendezvous: Uuid::from_random([9; 16]),
+            epoch: 3,
+            from: 2,
+            to: 0,
+            port: RENDEZVOUS_PORT,
+        };
+        let b = o.encode();
+        assert_eq!(b.len(), Opening::LEN);
+        assert_eq!(&b[16..24], &3u64.to_le_bytes());
+        assert_eq!(&b[32..], &29_500u16.to_le_bytes());
+        assert_eq!(Opening::decode(&b).unwrap(), o);
+        assert!(Opening::decode(&b[..33]).is_err());
+        let mut long = b.to_vec();
+        long.push(0);
+        assert!(Opening::decode(&long).is_err());
     }
 
     #[tokio::test]

@@ -278,6 +278,10 @@ pub(crate) struct Node {
     opening: Option<tokio::task::JoinHandle<()>>,
     /// Where the engine's run orders go: leased work on the executor.
     runner: mpsc::UnboundedSender<cannabis_market::RunOrder>,
+    /// The group attempts this node holds ranks of, and their channels.
+    groups: Arc<crate::group::Groups>,
+    /// The task taking other ranks' channel streams.
+    group_streams: tokio::task::JoinHandle<()>,
     /// The task carrying them out: waited for when the node stops (it holds the executor).
     running: Option<tokio::task::JoinHandle<()>>,
     /// Probes asked for, and the newest one applied: an older probe that finishes late
@@ -452,6 +456,12 @@ pub async fn start(
     ])
     .0;
     let market_config = market_config(&config, genesis.as_ref(), spot_secret);
+    let groups = crate::group::Groups::new(
+        keys.signing.clone(),
+        data_dir,
+        swarm.behaviour().streams.new_control(),
+    );
+    let group_streams = groups.serve()?;
     let corrupt = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (runner, running) = run::spawn(
         executor_rx.clone(),
@@ -485,6 +495,8 @@ pub async fn start(
         store: store.clone(),
         runner,
         running: Some(running),
+        groups,
+        group_streams,
         executor: executor_rx.clone(),
         opening: None,
         probes_asked: 0,
@@ -781,6 +793,8 @@ impl Node {
                     self.drain();
                     self.reach_every_shard();
                     self.trim_connections();
+                    let (leases, t) = (self.market.leases(), now().0);
+                    self.groups.retain(|key, epoch| leases.is_current(key, epoch, t));
                     if std::mem::take(&mut self.dropped_since_trim) > 0 {
                         give_back_memory();
                     }
@@ -793,6 +807,8 @@ impl Node {
         if let Some(opening) = self.opening.take() {
             let _ = tokio::time::timeout(Duration::from_secs(60), opening).await;
         }
+        self.group_streams.abort();
+        self.groups.close();
         self.runner = mpsc::unbounded_channel().0;
         if let Some(running) = self.running.take() {
             let _ = tokio::time::timeout(Duration::from_secs(60), running).await;
@@ -840,6 +856,7 @@ impl Node {
                 }
                 Output::Event(e) => self.on_event(e),
                 Output::Run(order) => {
+                    self.group_order(&order);
                     let _ = self.runner.send(order);
                 }
                 Output::Fetch(manifest) => self.start_fetch(*manifest),
@@ -847,6 +864,26 @@ impl Node {
                 Output::Evaluate(order) => self.evaluate(*order),
                 Output::Settle(order) => self.on_settle(order),
             }
+        }
+    }
+
+    /// A group rank's lease became current (its channel's endpoints open) or ended
+    /// (they close, and every connection through them ends).
+    fn group_order(&self, order: &cannabis_market::RunOrder) {
+        match order {
+            cannabis_market::RunOrder::Start {
+                request_id,
+                key,
+                epoch,
+                group: Some(group),
+                ..
+            } => {
+                if let Err(e) = self.groups.join(request_id, *key, *epoch, group) {
+                    warn!(%request_id, error = %format!("{e:#}"), "group channel not opened");
+                }
+            }
+            cannabis_market::RunOrder::Stop { request_id, .. } => self.groups.leave(request_id),
+            _ => {}
         }
     }
 

@@ -176,6 +176,7 @@ impl Market {
             requester: lease.requester,
             deliver_to: lease.deliver_to,
             inputs: lease.inputs.clone(),
+            group: lease.rendezvous.clone(),
         }));
     }
 

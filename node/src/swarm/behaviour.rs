@@ -61,6 +61,8 @@ pub struct Behaviour {
     pub(crate) challenge: request_response::Behaviour<Codec<ChallengeRequest, ChallengeResponse>>,
     pub(crate) transfer: request_response::Behaviour<Codec<TransferRequest, TransferResponse>>,
     pub(crate) ledger: request_response::Behaviour<Codec<LedgerRequest, LedgerResponse>>,
+    /// Raw streams: a group's private channel (`crate::group`).
+    pub(crate) streams: libp2p_stream::Behaviour,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -196,6 +198,7 @@ impl Behaviour {
                 [(LEDGER_PROTOCOL, request_response::ProtocolSupport::Full)],
                 request_response::Config::default().with_request_timeout(Duration::from_secs(10)),
             ),
+            streams: libp2p_stream::Behaviour::new(),
         })
     }
 }

@@ -20,7 +20,7 @@ fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
-fn tar(dir: &Path, files: &[(&str, &str)]) -> std::path::PathBuf {
+pub(crate) fn tar(dir: &Path, files: &[(&str, &str)]) -> std::path::PathBuf {
     let src = dir.join("bundle");
     std::fs::create_dir_all(&src).unwrap();
     for (name, text) in files {

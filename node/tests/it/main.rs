@@ -10,6 +10,7 @@ mod evaluate;
 mod exec;
 mod exec_restart;
 mod faults;
+mod group;
 mod guides;
 mod hostile;
 mod ledger;
