@@ -305,6 +305,8 @@ fn run(
             .0
             .saturating_add(terms.limits.wall_ms),
         renewal: Renewal::External,
+        env: Vec::new(),
+        loopback: false,
     };
     let mut k = 0;
     let attempt = loop {

@@ -12,15 +12,15 @@
 //! message, at most 65,535). The first frame, in the clear, is the [`Opening`]: which
 //! group attempt, which ranks, which port.
 //!
-//! On a node, [`Groups`] keeps the group attempts whose leases it holds. For each, a
-//! directory `groups/<rendezvous id>-<epoch>/` in the data dir (owner only) holds the
-//! Unix sockets the workload's side uses: a rank above 0 finds `to-0-<port>.sock`, on
-//! which the node listens and carries each connection to rank 0's node; rank 0's node
-//! connects what arrives for `port` to `service-<port>.sock`, where the service in its
-//! sandbox is reached. Nothing listens on a network interface.
+//! On a node, [`Groups`] keeps the group attempts whose leases it holds. Once a rank's
+//! sandbox runs, its node reaches into the sandbox's own network namespace (only a
+//! loopback interface, which nothing outside the sandbox can reach): for a rank above 0 it
+//! listens on `127.0.0.1:29500` there (`MASTER_PORT`) and carries each connection to rank
+//! 0's node; rank 0's node connects what arrives for a port to that port on its sandbox's
+//! loopback, where the workload's service (PyTorch's store) listens. Nothing listens on a
+//! network interface of the machine.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,7 +31,6 @@ use cannabis_protocol::{Keypair, Rendezvous, Uuid};
 use futures::StreamExt as _;
 use libp2p::{PeerId, StreamProtocol};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
-use tokio::net::{UnixListener, UnixStream};
 use tokio_util::compat::FuturesAsyncReadCompatExt as _;
 use tracing::{debug, info, warn};
 
@@ -207,7 +206,9 @@ struct Member {
     /// The lease's executor request id.
     request_id: String,
     key: AssignmentKey,
-    dir: PathBuf,
+    /// The network namespace of the rank's sandbox, once it runs: where its endpoint
+    /// listens (a rank above 0) or its service is reached (rank 0).
+    sandbox: Option<Arc<std::fs::File>>,
     /// The endpoints' listeners; each holds the connections it carries, so aborting it
     /// ends them.
     listeners: Vec<tokio::task::JoinHandle<()>>,
@@ -218,28 +219,44 @@ impl Drop for Member {
         for l in &self.listeners {
             l.abort();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs `f` on a thread of its own inside the network namespace `ns` (a socket made there
+/// stays there): the node's own threads never change namespace.
+fn in_namespace<T: Send>(
+    ns: &std::fs::File,
+    f: impl FnOnce() -> std::io::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                .context("entering the sandbox's network namespace")?;
+            Ok(f()?)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("a thread in the sandbox's network namespace panicked"))?
+    })
+}
+
+/// The loopback address of a sandbox at `port`.
+fn loopback(port: u16) -> std::net::SocketAddr {
+    (std::net::Ipv4Addr::LOCALHOST, port).into()
 }
 
 /// The group attempts this node holds ranks of, and their channels.
 pub struct Groups {
     keys: Keypair,
-    dir: PathBuf,
     control: libp2p_stream::Control,
     members: Mutex<HashMap<(Uuid, u64), Member>>,
     opening: Arc<tokio::sync::Semaphore>,
 }
 
 impl Groups {
-    /// The groups of a node with `keys`, their directories under `data_dir/groups`
-    /// (emptied: what an earlier run left holds no channel), streams on `control`.
-    pub fn new(keys: Keypair, data_dir: &Path, control: libp2p_stream::Control) -> Arc<Self> {
-        let dir = data_dir.join("groups");
-        let _ = std::fs::remove_dir_all(&dir);
+    /// The groups of a node with `keys`, their streams on `control`.
+    pub fn new(keys: Keypair, control: libp2p_stream::Control) -> Arc<Self> {
         Arc::new(Self {
             keys,
-            dir,
             control,
             members: Mutex::new(HashMap::new()),
             opening: Arc::new(tokio::sync::Semaphore::new(MAX_OPENING)),
@@ -248,11 +265,6 @@ impl Groups {
 
     fn members(&self) -> std::sync::MutexGuard<'_, HashMap<(Uuid, u64), Member>> {
         self.members.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The directory of a group attempt's endpoints.
-    pub fn dir_of(&self, rendezvous: &Uuid, epoch: u64) -> PathBuf {
-        self.dir.join(format!("{rendezvous}-{epoch}"))
     }
 
     /// Takes the streams other ranks open to this node, until the node stops.
@@ -279,11 +291,33 @@ impl Groups {
         }))
     }
 
+    /// The environment a rank's workload gets, as torchrun would set it for one process
+    /// per node: its rank, the group's size, and rank 0's rendezvous at the sandbox's own
+    /// loopback (which the channel forwards).
+    pub fn environment(rank: u32, rendezvous: &Rendezvous) -> Vec<(String, String)> {
+        let world = rendezvous.roster.len();
+        [
+            ("RANK", rank.to_string()),
+            ("GROUP_RANK", rank.to_string()),
+            ("ROLE_RANK", rank.to_string()),
+            ("LOCAL_RANK", "0".to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("ROLE_WORLD_SIZE", world.to_string()),
+            ("LOCAL_WORLD_SIZE", "1".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", RENDEZVOUS_PORT.to_string()),
+            ("TORCHELASTIC_RUN_ID", rendezvous.id.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
     /// This node holds rank `key.2`'s lease at `epoch` of the group attempt `rendezvous`:
-    /// its endpoints open (a rank above 0 gets rank 0's rendezvous port). Joining again
-    /// changes nothing.
+    /// the rank's channel is known, its endpoints open once its sandbox runs
+    /// ([`Groups::attach`]). Joining again changes nothing.
     pub fn join(
-        self: &Arc<Self>,
+        &self,
         request_id: &str,
         key: AssignmentKey,
         epoch: u64,
@@ -296,38 +330,67 @@ impl Groups {
             .find(|e| e.worker == me)
             .map(|e| e.rank)
             .context("this node is not in the group's roster")?;
-        let id = (rendezvous.id, epoch);
-        if self.members().contains_key(&id) {
+        let mut members = self.members();
+        if members.contains_key(&(rendezvous.id, epoch)) {
             return Ok(());
         }
-        let dir = self.dir_of(&rendezvous.id, epoch);
-        create_private_dir(&dir)?;
-        let mut member = Member {
-            rendezvous: rendezvous.clone(),
-            epoch,
-            rank,
-            request_id: request_id.to_owned(),
-            key,
-            dir: dir.clone(),
-            listeners: Vec::new(),
-        };
-        if rank != 0 {
-            let path = dir.join(format!("to-0-{RENDEZVOUS_PORT}.sock"));
-            let listener = UnixListener::bind(&path)
-                .with_context(|| format!("listening on {}", path.display()))?;
-            let opening = Opening {
-                rendezvous: rendezvous.id,
+        info!(rendezvous = %rendezvous.id, epoch, rank, ranks = rendezvous.roster.len(), "group channel open");
+        members.insert(
+            (rendezvous.id, epoch),
+            Member {
+                rendezvous: rendezvous.clone(),
                 epoch,
+                rank,
+                request_id: request_id.to_owned(),
+                key,
+                sandbox: None,
+                listeners: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// The sandbox of executor request `request_id` runs as process `pid` (inside its
+    /// network namespace): a rank above 0 gets its endpoint there, `127.0.0.1` at rank 0's
+    /// rendezvous port, and rank 0's service becomes reachable. Nothing for a request of
+    /// no group, or one attached already.
+    pub fn attach(self: &Arc<Self>, request_id: &str, pid: u32) -> anyhow::Result<()> {
+        let Some((id, rank, rendezvous)) = self
+            .members()
+            .iter()
+            .find(|(_, m)| m.request_id == request_id && m.sandbox.is_none())
+            .map(|(id, m)| (*id, m.rank, m.rendezvous.id))
+        else {
+            return Ok(());
+        };
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .with_context(|| format!("the network namespace of sandbox process {pid}"))?;
+        let mut listeners = Vec::new();
+        if rank != 0 {
+            let listener = in_namespace(&ns, || {
+                let l = std::net::TcpListener::bind(loopback(RENDEZVOUS_PORT))?;
+                l.set_nonblocking(true)?;
+                Ok(l)
+            })?;
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let opening = Opening {
+                rendezvous,
+                epoch: id.1,
                 from: rank,
                 to: 0,
                 port: RENDEZVOUS_PORT,
             };
-            member
-                .listeners
-                .push(tokio::spawn(self.clone().carry(listener, opening)));
+            listeners.push(tokio::spawn(self.clone().carry(listener, opening)));
         }
-        info!(rendezvous = %rendezvous.id, epoch, rank, ranks = rendezvous.roster.len(), dir = %dir.display(), "group channel open");
-        self.members().insert(id, member);
+        let mut members = self.members();
+        let Some(m) = members.get_mut(&id) else {
+            // Left meanwhile: the listeners go.
+            listeners.iter().for_each(tokio::task::JoinHandle::abort);
+            return Ok(());
+        };
+        m.sandbox = Some(Arc::new(ns));
+        m.listeners.extend(listeners);
+        info!(%rendezvous, epoch = id.1, rank, "group channel reaches the sandbox");
         Ok(())
     }
 
@@ -360,7 +423,7 @@ impl Groups {
     }
 
     /// Carries each connection to `listener` to the rank the opening names.
-    async fn carry(self: Arc<Self>, listener: UnixListener, opening: Opening) {
+    async fn carry(self: Arc<Self>, listener: tokio::net::TcpListener, opening: Opening) {
         let mut connections = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
@@ -386,7 +449,11 @@ impl Groups {
 
     /// Opens a stream to the rank `opening` names, runs the handshake as its initiator
     /// and forwards `local` through the channel.
-    async fn open(&self, opening: Opening, local: UnixStream) -> anyhow::Result<(u64, u64)> {
+    async fn open<L: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        opening: Opening,
+        local: L,
+    ) -> anyhow::Result<(u64, u64)> {
         let rendezvous = self
             .members()
             .get(&(opening.rendezvous, opening.epoch))
@@ -425,22 +492,22 @@ impl Groups {
 
     /// A stream another node opened: its opening, the handshake as responder with the
     /// roster's member for the opener's rank (who must be the peer that opened it), then
-    /// the connection to the service on the opening's port.
+    /// the connection to the service on the opening's port in this rank's sandbox.
     async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
         &self,
         peer: PeerId,
         mut stream: S,
         permit: tokio::sync::OwnedSemaphorePermit,
     ) -> anyhow::Result<()> {
-        let (channel, opening, dir) = tokio::time::timeout(OPENING_TIMEOUT, async {
+        let (channel, opening) = tokio::time::timeout(OPENING_TIMEOUT, async {
             let first = read_frame(&mut stream)
                 .await?
                 .context("the stream closed before its opening")?;
             let opening = Opening::decode(&first)?;
-            let (rendezvous, rank, dir) = self
+            let (rendezvous, rank) = self
                 .members()
                 .get(&(opening.rendezvous, opening.epoch))
-                .map(|m| (m.rendezvous.clone(), m.rank, m.dir.clone()))
+                .map(|m| (m.rendezvous.clone(), m.rank))
                 .with_context(|| {
                     format!(
                         "no group attempt {} at epoch {} here",
@@ -468,35 +535,34 @@ impl Groups {
                 fresh()?,
             )?;
             let channel = establish(&mut stream, hs).await?;
-            anyhow::Ok((channel, opening, dir))
+            anyhow::Ok((channel, opening))
         })
         .await
         .context("the opening and handshake timed out")??;
         drop(permit);
-        let path = dir.join(format!("service-{}.sock", opening.port));
-        let local = UnixStream::connect(&path)
-            .await
-            .with_context(|| format!("no service on port {} here", opening.port))?;
+        let sandbox = self
+            .members()
+            .get(&(opening.rendezvous, opening.epoch))
+            .and_then(|m| m.sandbox.clone())
+            .context("this rank's sandbox is not running")?;
+        let port = opening.port;
+        let local = tokio::task::spawn_blocking(move || {
+            in_namespace(&sandbox, || {
+                let s = std::net::TcpStream::connect(loopback(port))?;
+                s.set_nonblocking(true)?;
+                Ok(s)
+            })
+        })
+        .await?
+        .with_context(|| format!("no service on port {port} in the sandbox"))?;
+        let local = tokio::net::TcpStream::from_std(local)?;
         let (up, down) = forward(channel, stream, local).await?;
         debug!(
             from = opening.from,
-            port = opening.port,
-            up,
-            down,
-            "group connection served"
+            port, up, down, "group connection served"
         );
         Ok(())
     }
-}
-
-/// A directory only its owner may enter (the sockets in it are the group's way in).
-fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::DirBuilderExt as _;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("creating {}", dir.display()))
 }
 
 #[cfg(test)]

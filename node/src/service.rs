@@ -140,6 +140,11 @@ pub(crate) enum Command {
         stage: cannabis_protocol::RunStage,
         detail: String,
     },
+    /// A leased attempt's sandbox runs as process `pid`: its group's channel reaches in.
+    Sandboxed {
+        request_id: String,
+        pid: u32,
+    },
     /// A completed leased attempt's outputs are sealed: deliver the manifest.
     Prepared {
         request_id: String,
@@ -458,7 +463,6 @@ pub async fn start(
     let market_config = market_config(&config, genesis.as_ref(), spot_secret);
     let groups = crate::group::Groups::new(
         keys.signing.clone(),
-        data_dir,
         swarm.behaviour().streams.new_control(),
     );
     let group_streams = groups.serve()?;
@@ -1229,6 +1233,11 @@ impl Node {
                         Err(e) => debug!(%request_id, error = %e, "run not reported"),
                     }
                     self.drain();
+                }
+            }
+            Command::Sandboxed { request_id, pid } => {
+                if let Err(e) = self.groups.attach(&request_id, pid) {
+                    warn!(%request_id, error = %format!("{e:#}"), "group channel cannot reach the sandbox");
                 }
             }
             Command::Prepared {

@@ -1010,6 +1010,7 @@ impl Inner {
             log_cap: 4096,
             program: self.cfg.program.clone(),
             devices: Vec::new(),
+            loopback: false,
         };
         let result = (|| {
             write_lease(&dir, now_ms() + 30_000).map_err(|e| e.to_string())?;
@@ -1241,6 +1242,8 @@ pub(crate) mod tests {
             seed: Some(Digest([1; 32])),
             lease_until_ms: 0,
             renewal: Renewal::Local,
+            env: Vec::new(),
+            loopback: false,
         }
     }
 

@@ -133,6 +133,11 @@ pub struct SandboxSpec {
     pub program: PathBuf,
     /// Device nodes bound into `/dev` (whole GPUs).
     pub devices: Vec<PathBuf>,
+    /// Whether the workload may use TCP and UDP sockets: on its network namespace's own
+    /// loopback, the only interface it has (a group's rank meets the others there,
+    /// through its node). Otherwise only Unix sockets.
+    #[serde(default)]
+    pub loopback: bool,
 }
 
 /// The rlimits of the workload.

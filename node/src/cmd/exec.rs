@@ -252,6 +252,8 @@ fn build_request(args: &ExecRunArgs) -> anyhow::Result<AttemptRequest> {
         seed,
         lease_until_ms: now + 15_000,
         renewal: Renewal::Local,
+        env: Vec::new(),
+        loopback: false,
     })
 }
 

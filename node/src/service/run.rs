@@ -365,6 +365,15 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
         let stage = stage_of(&attempt);
         if last != Some(stage) {
             last = Some(stage);
+            if let (RunStage::Running, Some(pid)) = (stage, attempt.monitor_pid) {
+                let sandboxed = Command::Sandboxed {
+                    request_id: request_id.clone(),
+                    pid,
+                };
+                if node.send(sandboxed).await.is_err() {
+                    return;
+                }
+            }
             let detail = attempt.reason.clone().unwrap_or_default();
             let sent = node
                 .send(Command::Ran {
@@ -465,9 +474,11 @@ fn carry_out(ex: &ExecutorHandle, order: RunOrder, packages: Option<Staged>) {
     let result = match &order {
         RunOrder::Start {
             request_id,
+            key,
             task,
             seed,
             until,
+            group,
             ..
         } => match attempt_for(ex, request_id) {
             // The executor has it (a restart, an award seen again): it never runs twice.
@@ -493,6 +504,10 @@ fn carry_out(ex: &ExecutorHandle, order: RunOrder, packages: Option<Staged>) {
                         seed: synthetic.then_some(*seed),
                         lease_until_ms: until.0,
                         renewal: Renewal::External,
+                        env: group
+                            .as_ref()
+                            .map_or_else(Vec::new, |g| crate::group::Groups::environment(key.2, g)),
+                        loopback: group.is_some(),
                     };
                     ex.submit(request).map(|a| {
                         if a.refused {

@@ -117,6 +117,8 @@ fn request(id: &str, task: TaskSpec, bundle: Option<PathBuf>) -> AttemptRequest 
         seed: Some(Digest::of(id.as_bytes())),
         lease_until_ms: now_ms() + 15_000,
         renewal: Renewal::Local,
+        env: Vec::new(),
+        loopback: false,
     }
 }
 
@@ -299,6 +301,76 @@ fn tcp_and_udp_sockets_are_refused() {
     assert!(!out.contains("OPEN"), "{out}");
     assert_eq!(out.matches("refused").count(), 5, "{out}");
     assert!(out.contains("refused tcp4 PermissionError"), "{out}");
+}
+
+#[test]
+fn a_callers_environment_reaches_the_workload_but_cannot_replace_the_executors() {
+    let s = setup();
+    let mut req = script_request(
+        s.dir.path(),
+        "env",
+        "echo \"rank=$RANK world=$WORLD_SIZE\"\n",
+    );
+    req.env = vec![
+        ("RANK".into(), "2".into()),
+        ("WORLD_SIZE".into(), "3".into()),
+    ];
+    let a = run(&s.ex, req);
+    assert_eq!(read_all(&s.ex, &a.id, "stdout"), "rank=2 world=3\n");
+    for bad in ["CANNABIS_WORK", "PATH", "A=B", "", "1X"] {
+        let mut req = script_request(s.dir.path(), &format!("bad-env-{}", bad.len()), "true\n");
+        req.env = vec![(bad.into(), "x".into())];
+        let a = run(&s.ex, req);
+        assert_eq!(a.state, AttemptState::Failed, "{bad:?}: {a:#?}");
+        assert!(
+            a.reason
+                .as_deref()
+                .unwrap_or("")
+                .contains("environment variable"),
+            "{bad:?}: {:?}",
+            a.reason
+        );
+    }
+}
+
+#[test]
+fn a_loopback_sandbox_has_tcp_on_its_own_loopback_and_no_other_interface() {
+    if !has_python() {
+        eprintln!("skipped: python3 is not installed");
+        return;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: a sandbox's own loopback is brought up by a root executor");
+        return;
+    }
+    let s = setup();
+    // What a group's rank 0 does (a TCP service on 127.0.0.1) and a packet socket, which
+    // stays refused.
+    let mut req = script_request(
+        s.dir.path(),
+        "loopback",
+        concat!(
+            "python3 - <<'EOF'\n",
+            "import socket\n",
+            "names = [l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:]]\n",
+            "print('interfaces', sorted(names))\n",
+            "srv = socket.socket(); srv.bind(('127.0.0.1', 29500)); srv.listen(1)\n",
+            "c = socket.create_connection(('127.0.0.1', 29500)); a, _ = srv.accept()\n",
+            "c.sendall(b'ping'); print('tcp', a.recv(4).decode())\n",
+            "try:\n",
+            "    socket.socket(socket.AF_PACKET, socket.SOCK_RAW); print('OPEN raw')\n",
+            "except Exception as e:\n",
+            "    print('refused raw', type(e).__name__)\n",
+            "EOF\n",
+        ),
+    );
+    req.loopback = true;
+    let a = run(&s.ex, req);
+    let out = read_all(&s.ex, &a.id, "stdout");
+    let err = read_all(&s.ex, &a.id, "stderr");
+    assert!(out.contains("interfaces ['lo']"), "{out}{err}");
+    assert!(out.contains("tcp ping"), "{out}");
+    assert!(out.contains("refused raw"), "{out}");
 }
 
 #[test]

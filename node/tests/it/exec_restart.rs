@@ -150,6 +150,8 @@ fn submit(dir: &Path, id: &str, script: &str) -> Attempt {
         seed: None,
         lease_until_ms: now + 15_000,
         renewal: Renewal::Local,
+        env: Vec::new(),
+        loopback: false,
     };
     client(dir).post("/v1/exec/attempts", &request).unwrap()
 }

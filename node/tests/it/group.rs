@@ -1,10 +1,7 @@
-//! A group's private channel between real `cannabis` processes: the ranks of a group job
-//! reach rank 0's service through the swarm, and a peer outside the roster reaches
-//! nothing.
+//! A group's private channel between real `cannabis` processes: the ranks of a group job,
+//! each in its own sandbox, reach rank 0's service through the swarm, and a peer outside
+//! the roster reaches nothing.
 
-use std::io::{Read as _, Write as _};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use futures::{AsyncReadExt as _, AsyncWriteExt as _, StreamExt as _};
@@ -14,62 +11,100 @@ use super::settle::{cannabis, client, wait_job};
 use super::testnet::{Testnet, wait_for_workers};
 
 const JOB: &str = r#"
-name = "pair"
+name = "all-reduce"
 deadline = "10m"
 bid_window = "5s"
 
 [early]
-first_bids = 2
+first_bids = 3
 
 [[task]]
-name = "pair"
-budget = 600_000
-group_size = 2
+name = "sum"
+budget = 900_000
+group_size = 3
 [task.workload]
 adapter = "process"
 bundle = "bundle.tar"
-entrypoint = ["sh", "wait.sh"]
+entrypoint = ["python3", "allreduce.py"]
 [task.resources]
 cpu = 1
 memory = "128MiB"
 storage = "8MiB"
 [[task.outputs]]
-name = "done.txt"
+name = "sum.txt"
 max_size = "1KiB"
 "#;
 
-/// The group attempt a worker holds a rank of: its channel's directory, named
-/// `<rendezvous id>-<epoch>`.
-fn group_dir(worker: &Path) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(worker.join("groups"))
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
-    (dirs.len() == 1).then(|| dirs.remove(0))
-}
+/// A sum all-reduce over rank 0's rendezvous, with nothing but Python's standard library
+/// and the environment torchrun sets: each rank sends its value to rank 0, which sends
+/// back the sum. A rank whose connection ends early (rank 0 not serving yet) tries again.
+/// Rank 0 then holds its service open a little, for the stranger.
+const PROGRAM: &str = r#"
+import os, socket, time
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+value = 10 * (rank + 1)
+
+def exactly(s, n):
+    b = b""
+    while len(b) < n:
+        chunk = s.recv(n - len(b))
+        if not chunk:
+            raise ConnectionError("closed")
+        b += chunk
+    return b
+
+if rank == 0:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((addr, port))
+    srv.listen(16)
+    total, peers = value, []
+    while len(peers) < world - 1:
+        c, _ = srv.accept()
+        c.settimeout(60)
+        try:
+            total += int.from_bytes(exactly(c, 8), "big")
+            peers.append(c)
+        except OSError:
+            c.close()
+    for c in peers:
+        c.sendall(total.to_bytes(8, "big"))
+        c.close()
+    time.sleep(8)
+else:
+    deadline = time.time() + 120
+    while True:
+        try:
+            s = socket.create_connection((addr, port), timeout=10)
+            s.sendall(value.to_bytes(8, "big"))
+            total = int.from_bytes(exactly(s, 8), "big")
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.3)
+with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
+    f.write(f"rank {rank} of {world}: {total}\n")
+"#;
 
 #[test]
-fn a_ranks_connection_reaches_rank_0_through_the_channel_and_a_stranger_reaches_nothing() {
+fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
     if !nix::unistd::geteuid().is_root() {
         eprintln!("skipped: requesters' programs run only where the executor is root");
         return;
     }
     let dir = super::exec::open_dir();
-    let net = Testnet::up(&dir.path().join("net"), 3);
+    // Node 0 (a quarter of the machine: no whole core) publishes; 1 to 3 work.
+    let net = Testnet::up(&dir.path().join("net"), 4);
     let nodes = net.nodes();
     let requester = &nodes[0];
     let work = dir.path().join("job");
     std::fs::create_dir_all(&work).unwrap();
-    // Each rank's run lasts while the test uses the channel.
-    super::delivery::tar(
-        &work,
-        &[(
-            "wait.sh",
-            "sleep 20\necho done > \"$CANNABIS_WORK/done.txt\"\n",
-        )],
-    );
+    super::delivery::tar(&work, &[("allreduce.py", PROGRAM)]);
     std::fs::write(work.join("job.toml"), JOB).unwrap();
-    wait_for_workers(requester, 3);
+    wait_for_workers(requester, 4);
     let o = cannabis(
         requester,
         &[
@@ -85,87 +120,43 @@ fn a_ranks_connection_reaches_rank_0_through_the_channel_and_a_stranger_reaches_
         .as_str()
         .unwrap()
         .to_string();
-    let running = wait_job(requester, &id, 90, "both ranks to run", |j| {
-        j.tasks[0].ranks.len() == 2
+
+    // While rank 0 still serves: a stranger (a fresh key, not in the roster) opens a
+    // group stream to rank 0's node naming the group attempt, as rank 1.
+    let running = wait_job(requester, &id, 120, "the three ranks to run", |j| {
+        j.tasks[0].ranks.len() == 3
             && j.tasks[0].ranks.iter().all(|r| {
-                r.progress
-                    .as_ref()
-                    .is_some_and(|p| p.stage == cannabis_protocol::RunStage::Running)
+                r.progress.as_ref().is_some_and(|p| {
+                    matches!(
+                        p.stage,
+                        cannabis_protocol::RunStage::Running
+                            | cannabis_protocol::RunStage::Completed
+                    )
+                })
             })
     });
-    let worker_of = |rank: u32| -> PathBuf {
-        let address = running.tasks[0]
-            .ranks
-            .iter()
-            .find(|r| r.rank == rank)
-            .unwrap()
-            .worker
-            .to_string();
-        nodes
-            .iter()
-            .find(|d| client(d).status().unwrap().address == address)
-            .expect("the rank's worker is a node of the testnet")
-            .clone()
-    };
-    let (zero, one) = (worker_of(0), worker_of(1));
-    let (g0, g1) = (
-        group_dir(&zero).expect("rank 0's node holds the group"),
-        group_dir(&one).expect("rank 1's node holds the group"),
-    );
-    assert_eq!(g0.file_name(), g1.file_name(), "one group attempt");
-    // Only the owner may reach the endpoints.
-    use std::os::unix::fs::PermissionsExt as _;
-    assert_eq!(
-        std::fs::metadata(&g1).unwrap().permissions().mode() & 0o777,
-        0o700
-    );
-
-    // Rank 0's service (PyTorch's store, here an echo that upper-cases), and what it saw.
-    let service = UnixListener::bind(g0.join("service-29500.sock")).unwrap();
-    service.set_nonblocking(false).unwrap();
-    let served = std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        // The rank's connection; then, for the stranger, nothing must come.
-        let (mut s, _) = service.accept().unwrap();
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).unwrap();
-        s.write_all(&buf.to_ascii_uppercase()).unwrap();
-        seen.push(buf.len());
-        drop(s);
-        service.set_nonblocking(true).unwrap();
-        let until = std::time::Instant::now() + Duration::from_secs(4);
-        while std::time::Instant::now() < until {
-            if service.accept().is_ok() {
-                seen.push(usize::MAX);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        seen
-    });
-
-    // Rank 1's workload connects to its endpoint, as torchrun's store client would.
-    let mut endpoint = UnixStream::connect(g1.join("to-0-29500.sock")).unwrap();
-    endpoint
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    let sent = b"store.set(rank1, 40) ".repeat(8_000); // several channel messages
-    endpoint.write_all(&sent).unwrap();
-    endpoint.shutdown(std::net::Shutdown::Write).unwrap();
-    let mut back = Vec::new();
-    endpoint.read_to_end(&mut back).unwrap();
-    assert_eq!(back.len(), sent.len());
-    assert!(
-        back == sent.to_ascii_uppercase(),
-        "the reply came back changed"
-    );
-
-    // A stranger (a fresh key, not in the roster) opens a group stream to rank 0's node
-    // naming the group attempt, as rank 1: refused before any service is reached.
-    let name = g0.file_name().unwrap().to_str().unwrap().to_string();
-    let (rendezvous, epoch) = name.rsplit_once('-').unwrap();
-    let rendezvous: cannabis_protocol::Uuid = rendezvous.parse().unwrap();
-    let epoch: u64 = epoch.parse().unwrap();
-    let status = client(&zero).status().unwrap();
+    let zero = running.tasks[0]
+        .ranks
+        .iter()
+        .find(|r| r.rank == 0)
+        .unwrap()
+        .worker
+        .to_string();
+    let zero = nodes
+        .iter()
+        .find(|d| client(d).status().unwrap().address == zero)
+        .expect("rank 0's worker is a node of the testnet");
+    let held = client(zero).leases().unwrap();
+    let lease = held
+        .iter()
+        .find(|l| l.job_id == id)
+        .expect("rank 0's node holds the lease");
+    let rendezvous = lease
+        .lease
+        .rendezvous
+        .as_ref()
+        .expect("a group lease names its rendezvous");
+    let status = client(zero).status().unwrap();
     let target: PeerId = status.peer_id.parse().unwrap();
     let addr: Multiaddr = status
         .listen_addrs
@@ -174,14 +165,41 @@ fn a_ranks_connection_reaches_rank_0_through_the_channel_and_a_stranger_reaches_
         .unwrap()
         .parse()
         .unwrap();
-    let got = tokio::runtime::Runtime::new()
-        .unwrap()
-        .block_on(stranger(target, addr, rendezvous, epoch));
+    let got = tokio::runtime::Runtime::new().unwrap().block_on(stranger(
+        target,
+        addr,
+        rendezvous.id,
+        lease.lease.epoch,
+    ));
     assert_eq!(got, 0, "the stranger's stream carried {got} bytes back");
+
+    // Every rank's output shows the sum of the three values.
+    let done = wait_job(requester, &id, 120, "the job to finish", |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+    });
     assert_eq!(
-        served.join().unwrap(),
-        vec![sent.len()],
-        "what the service saw"
+        done.summary.state,
+        cannabis_market::job::JobState::Completed,
+        "{:#?}",
+        done.history
+    );
+    let mut sums: Vec<String> = done.tasks[0]
+        .delivered
+        .iter()
+        .filter(|o| o.name == "sum.txt" && o.fetched)
+        .map(|o| std::fs::read_to_string(&o.path).unwrap().trim().to_string())
+        .collect();
+    sums.sort();
+    assert_eq!(
+        sums,
+        ["rank 0 of 3: 60", "rank 1 of 3: 60", "rank 2 of 3: 60"],
+        "each rank's output"
+    );
+    // The stranger's try is in rank 0's node's log, refused.
+    let log = std::fs::read_to_string(zero.join("node.log")).unwrap_or_default();
+    assert!(
+        log.contains("group stream refused") && log.contains("is not this peer"),
+        "rank 0's node did not say it refused the stranger"
     );
 }
 

@@ -28,6 +28,15 @@ pub struct AttemptRequest {
     pub lease_until_ms: u64,
     /// Who renews the lease.
     pub renewal: Renewal,
+    /// More environment for the workload, set by the caller (a group rank's `RANK`,
+    /// `WORLD_SIZE`, `MASTER_ADDR` and the rest): names are letters, digits and `_`, and
+    /// none may be one the executor sets itself.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Whether the workload may use TCP and UDP on its sandbox's own loopback (a group's
+    /// rank, which reaches the others there through its node).
+    #[serde(default)]
+    pub loopback: bool,
 }
 
 /// Who keeps an attempt's lease current.
@@ -307,6 +316,8 @@ pub(crate) mod tests {
                 seed: None,
                 lease_until_ms: 0,
                 renewal: Renewal::Local,
+                env: Vec::new(),
+                loopback: false,
             },
             state: AttemptState::Reserved,
             refused: false,

@@ -184,6 +184,19 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
     };
     let mut env = base_env();
     env.push(("CANNABIS_ATTEMPT".into(), a.id.clone()));
+    for (name, value) in &request.env {
+        let plain = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !plain || name.starts_with("CANNABIS_") || env.iter().any(|(n, _)| n == name) {
+            return Err(format!(
+                "environment variable {name:?}: not a plain name, or one the executor sets"
+            ));
+        }
+        if value.contains('\0') {
+            return Err(format!("environment variable {name:?}: a NUL in its value"));
+        }
+        env.push((name.clone(), value.clone()));
+    }
     if !reservation.gpus.is_empty() {
         env.push(("NVIDIA_VISIBLE_DEVICES".into(), reservation.gpus.join(",")));
     }
@@ -208,6 +221,7 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         log_cap: inner.cfg.log_cap,
         program: inner.cfg.program.clone(),
         devices,
+        loopback: request.loopback,
     };
     // The cgroups are made while the zygote hands out the monitor; the monitor starts
     // nothing before it is inside them.

@@ -31,10 +31,11 @@ pub(super) fn rlimits(limits: &Rlimits) -> R<()> {
 }
 
 /// Landlock: read and execute beneath the system paths, the inputs and the bundle; write
-/// only beneath the work directory; no TCP; no signals or abstract sockets leaving the
-/// sandbox. Applied as far as the kernel supports it; `true` only when the kernel enforces
-/// all of it (only then is the layer advertised).
-pub(super) fn landlock(devices: &[std::path::PathBuf]) -> R<bool> {
+/// only beneath the work directory; no TCP (unless `loopback`: the sandbox's own loopback
+/// is then its network); no signals or abstract sockets leaving the sandbox. Applied as
+/// far as the kernel supports it; `true` only when the kernel enforces all of it (only
+/// then is the layer advertised).
+pub(super) fn landlock(devices: &[std::path::PathBuf], loopback: bool) -> R<bool> {
     let abi = ABI::V6;
     let err = |e: landlock::RulesetError| format!("landlock: {e}");
     // Paths that exist, less links into a directory the rules already name (`/bin` is
@@ -56,12 +57,16 @@ pub(super) fn landlock(devices: &[std::path::PathBuf]) -> R<bool> {
             })
             .collect::<Vec<_>>()
     };
-    let status = Ruleset::default()
+    let mut ruleset = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
         .handle_access(AccessFs::from_all(abi))
-        .map_err(err)?
-        .handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp)
-        .map_err(err)?
+        .map_err(err)?;
+    if !loopback {
+        ruleset = ruleset
+            .handle_access(AccessNet::BindTcp | AccessNet::ConnectTcp)
+            .map_err(err)?;
+    }
+    let status = ruleset
         .scope(Scope::AbstractUnixSocket | Scope::Signal)
         .map_err(err)?
         .create()
@@ -191,21 +196,29 @@ const X32_BIT: Option<u32> = None;
 /// The compiled filter, built once: in the zygote before it forks anything, so that each
 /// sandbox only installs it.
 static PROGRAM: std::sync::OnceLock<R<seccompiler::BpfProgram>> = std::sync::OnceLock::new();
+/// The same with `AF_INET` and `AF_INET6` sockets allowed (a sandbox on its own loopback).
+static LOOPBACK_PROGRAM: std::sync::OnceLock<R<seccompiler::BpfProgram>> =
+    std::sync::OnceLock::new();
 
-/// Compiles the filter now (see [`PROGRAM`]).
+/// Compiles the filters now (see [`PROGRAM`]).
 pub(super) fn prepare_seccomp() {
-    let _ = PROGRAM.get_or_init(compile);
+    let _ = PROGRAM.get_or_init(|| compile(false));
+    let _ = LOOPBACK_PROGRAM.get_or_init(|| compile(true));
 }
 
 /// Installs the filter: the calls in [`DENIED`] and every x32 call get `EPERM`; so do
-/// `socket` for every family but `AF_UNIX` and `clone` with any namespace flag; `clone3`
-/// (whose flags live in memory a filter cannot read) gets `ENOSYS`, so that the C library
-/// falls back to `clone`. A call from another architecture kills the process.
-pub(super) fn seccomp() -> R<()> {
-    let program = PROGRAM
-        .get_or_init(compile)
-        .as_ref()
-        .map_err(Clone::clone)?;
+/// `socket` for every family but `AF_UNIX` (and, with `loopback`, `AF_INET` and
+/// `AF_INET6`) and `clone` with any namespace flag; `clone3` (whose flags live in memory
+/// a filter cannot read) gets `ENOSYS`, so that the C library falls back to `clone`. A
+/// call from another architecture kills the process.
+pub(super) fn seccomp(loopback: bool) -> R<()> {
+    let program = if loopback {
+        LOOPBACK_PROGRAM.get_or_init(|| compile(true))
+    } else {
+        PROGRAM.get_or_init(|| compile(false))
+    }
+    .as_ref()
+    .map_err(Clone::clone)?;
     seccompiler::apply_filter(program).map_err(|e| format!("seccomp: {e}"))
 }
 
@@ -214,7 +227,7 @@ pub(super) fn seccomp() -> R<()> {
 /// cost grows with the filter's length. seccompiler's rule compiler made 317 instructions
 /// of this deny-list (a quarter of a millisecond per sandbox to install); this is one
 /// comparison per denied call, about 70. seccompiler still installs it.
-fn compile() -> R<seccompiler::BpfProgram> {
+fn compile(loopback: bool) -> R<seccompiler::BpfProgram> {
     use libc::{
         BPF_ABS, BPF_JEQ, BPF_JGE, BPF_JMP, BPF_JSET, BPF_K, BPF_LD, BPF_RET, BPF_W,
         SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, SECCOMP_RET_KILL_PROCESS,
@@ -271,6 +284,12 @@ fn compile() -> R<seccompiler::BpfProgram> {
     ops.push(Op::Mark(Label::Socket));
     ops.push(Op::Load(ARG0_LOW));
     ops.push(Op::Jump(jeq, af_unix, Label::Allow));
+    if loopback {
+        for family in [libc::AF_INET, libc::AF_INET6] {
+            let family = u32::try_from(family).unwrap_or(u32::MAX);
+            ops.push(Op::Jump(jeq, family, Label::Allow));
+        }
+    }
     ops.push(Op::Ret(errno(libc::EPERM)));
     ops.push(Op::Mark(Label::Clone));
     ops.push(Op::Load(ARG0_LOW));

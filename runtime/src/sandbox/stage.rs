@@ -880,13 +880,13 @@ fn init_setup(spec: &SandboxSpec) -> R<(String, OwnedFd)> {
     nix::sys::prctl::set_dumpable(false).ctx(|| "prctl(PR_SET_DUMPABLE)".into())?;
     let mut layers = vec!["rlimits"];
     filter::rlimits(&spec.rlimits)?;
-    if spec.landlock && filter::landlock(&spec.devices)? {
+    if spec.landlock && filter::landlock(&spec.devices, spec.loopback)? {
         layers.push("landlock");
     }
     nix::sys::prctl::set_no_new_privs().ctx(|| "prctl(PR_SET_NO_NEW_PRIVS)".into())?;
     filter::drop_capabilities()?;
     if spec.seccomp {
-        filter::seccomp()?;
+        filter::seccomp(spec.loopback)?;
         layers.push("seccomp");
     }
     Ok((layers.join(" "), work))

@@ -534,7 +534,40 @@ fn monitor_child(ids: Option<(Uid, Gid)>, own_net: bool, control: OwnedFd, log: 
 /// sandbox cannot configure at all. `false` when not made: the monitor then makes one in
 /// its own user namespace.
 fn make_network_namespace() -> bool {
-    nix::unistd::geteuid().is_root() && unshare(CloneFlags::CLONE_NEWNET).is_ok()
+    nix::unistd::geteuid().is_root()
+        && unshare(CloneFlags::CLONE_NEWNET).is_ok()
+        && loopback_up().is_ok()
+}
+
+/// Brings up the new namespace's loopback interface (down in a new namespace): the
+/// sandbox then has `127.0.0.1` and `::1` to itself and no other interface. A group's
+/// ranks meet there: the node forwards the group's channel to and from ports on it
+/// (`cannabis_node::group`), and nothing outside the sandbox can reach them.
+fn loopback_up() -> Result<(), nix::Error> {
+    use std::os::fd::AsRawFd as _;
+    let sock = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    // SAFETY: `ifreq` is plain data (zeroes are a valid value); the name is NUL-terminated
+    // within its 16 bytes; both ioctls read and write only the `ifreq` passed, on a socket
+    // this function owns.
+    unsafe {
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+            *d = *s as libc::c_char;
+        }
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+            return Err(nix::Error::last());
+        }
+        req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            return Err(nix::Error::last());
+        }
+    }
+    Ok(())
 }
 
 /// Becomes `ids` (uid, gid) with no supplementary groups, when given.

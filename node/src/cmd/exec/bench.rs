@@ -495,6 +495,7 @@ fn one_run(
         log_cap: 4096,
         program: program.to_path_buf(),
         devices: Vec::new(),
+        loopback: false,
     };
     // Timed from here (the attempt directory is staging, made before and removed after):
     // as the executor does, the cgroups are made while the zygote hands out the monitor.

@@ -215,5 +215,7 @@ fn request(id: &str, bundle: &Path, digest: Digest) -> AttemptRequest {
         seed: None,
         lease_until_ms: now + 60_000,
         renewal: Renewal::Local,
+        env: Vec::new(),
+        loopback: false,
     }
 }
