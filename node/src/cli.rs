@@ -683,6 +683,10 @@ pub(crate) enum TestnetCommand {
         /// over loopback, against plain age encryption of the same bytes (0: skip it).
         #[arg(long, default_value_t = 256, value_name = "MIB")]
         transfer_mib: u64,
+        /// Bytes the group-channel phase sends, MiB: through a two-rank group's channel,
+        /// against the same client and server over a direct loopback connection (0: skip).
+        #[arg(long, default_value_t = 64, value_name = "MIB")]
+        channel_mib: u64,
         #[command(flatten)]
         format: Format,
     },

@@ -28,6 +28,27 @@ pub struct BenchOptions {
     pub hostile: Option<Vec<String>>,
     /// Size of the encrypted-transfer phase's output, bytes (0: no such phase).
     pub transfer_bytes: u64,
+    /// Bytes the group-channel phase sends through a group's channel (0: no such phase).
+    pub channel_bytes: u64,
+}
+
+/// A group's channel against a direct loopback TCP connection, in the same run: the same
+/// Python client and server (`bench_channel.py`), one through the channel from rank 1's
+/// sandbox to rank 0's, the other on the host.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChannelReport {
+    /// Bytes sent each way measured.
+    pub bytes: u64,
+    /// Throughput through the channel, MB/s (10^6 bytes).
+    pub channel_mb_s: f64,
+    /// Throughput over the direct connection, MB/s.
+    pub direct_mb_s: f64,
+    /// Channel against direct throughput (goal: at least 0.5).
+    pub ratio: f64,
+    /// One-byte round trips through the channel, µs.
+    pub channel_rtt_us: Summary,
+    /// One-byte round trips over the direct connection, µs.
+    pub direct_rtt_us: Summary,
 }
 
 /// One process job whose output is `bytes` random bytes, delivered encrypted over loopback,
@@ -124,6 +145,10 @@ pub struct BenchReport {
     pub transfer: Option<TransferReport>,
     /// Why the transfer phase did not run, when it did not.
     pub transfer_skipped: Option<String>,
+    /// The group channel against direct TCP (`--channel-mib`), unless skipped.
+    pub channel: Option<ChannelReport>,
+    /// Why the channel phase did not run, when it did not.
+    pub channel_skipped: Option<String>,
     /// The run under attack (`--hostile`).
     pub hostile: Option<HostileReport>,
 }
@@ -362,6 +387,122 @@ fn time_transfer(net: &Testnet, bytes: u64) -> anyhow::Result<TransferReport> {
     })
 }
 
+/// The channel benchmark's program: rank 0 serves, rank 1 measures (see its header).
+const CHANNEL_PROGRAM: &str = include_str!("bench_channel.py");
+
+/// One-byte round trips each way of the channel benchmark measures.
+const CHANNEL_ROUNDS: u32 = 200;
+
+/// What `bench_channel.py client` writes.
+#[derive(serde::Deserialize)]
+struct ChannelRun {
+    bytes: u64,
+    seconds: f64,
+    rtt_us: Vec<u64>,
+}
+
+/// Runs a group job of two ranks from node 0 whose rank 1 measures its channel to rank 0,
+/// then the same client and server over loopback here.
+fn time_channel(net: &Testnet, bytes: u64) -> anyhow::Result<ChannelReport> {
+    let origin = &net.nodes[0];
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut header = tar::Header::new_ustar();
+    header.set_size(CHANNEL_PROGRAM.len() as u64);
+    header.set_mode(0o644);
+    header.set_cksum();
+    tar.append_data(&mut header, "bench_channel.py", CHANNEL_PROGRAM.as_bytes())?;
+    let bundle = tar.into_inner()?;
+    let digest = Digest::of(&bundle);
+    let packages = origin.data_dir.join("packages");
+    std::fs::create_dir_all(&packages)?;
+    std::fs::write(packages.join(digest.to_string()), &bundle)?;
+    let mut t = bench_offer(4_000_000);
+    t.name = Some("bench-channel".into());
+    t.tasks[0].workload = Workload {
+        adapter: AdapterKind::Process,
+        digest,
+        entrypoint: vec![
+            "python3".into(),
+            "bench_channel.py".into(),
+            bytes.to_string(),
+            CHANNEL_ROUNDS.to_string(),
+        ],
+    };
+    t.tasks[0].outputs = vec![cannabis_protocol::OutputDecl {
+        name: "channel.json".into(),
+        max_bytes: 64 << 10,
+        rights: cannabis_protocol::OutputRights::Exclusive,
+    }];
+    t.tasks[0].resources = Resources {
+        cpu_millicores: 1000,
+        memory_bytes: 256 << 20,
+        swap_bytes: 0,
+        processes: 64,
+        storage_bytes: 16 << 20,
+        gpus: 0,
+    };
+    t.tasks[0].group_size = 2;
+    t.tasks[0].budget = Amount(2_000_000);
+    t.ttl_ms = JOB_BID_WINDOW_MS;
+    t.deadline_ms = 600_000;
+    t.early = Some(cannabis_market::job::Early::FirstBids(2));
+    let job = origin.client.submit_job(&t)?;
+    let (detail, _) = await_events(
+        &origin.client,
+        &job.job_id,
+        &[&["task done"]],
+        Duration::from_secs(300),
+        "the channel benchmark's job",
+    )?;
+    let out = detail.tasks[0]
+        .delivered
+        .iter()
+        .find(|o| o.rank == 1 && o.name == "channel.json" && o.fetched)
+        .context("the job is done but rank 1's measurement is not here")?;
+    let through: ChannelRun =
+        serde_json::from_slice(&std::fs::read(&out.path)?).context("rank 1's measurement")?;
+    let direct = direct_channel_run(&net.dir, bytes)?;
+    let mb_s = |r: &ChannelRun| r.bytes as f64 / r.seconds.max(1e-9) / 1e6;
+    let (channel_mb_s, direct_mb_s) = (mb_s(&through), mb_s(&direct));
+    let (mut a, mut b) = (through.rtt_us, direct.rtt_us);
+    Ok(ChannelReport {
+        bytes,
+        channel_mb_s,
+        direct_mb_s,
+        ratio: channel_mb_s / direct_mb_s.max(1e-9),
+        channel_rtt_us: summarize(&mut a).context("no round trip through the channel")?,
+        direct_rtt_us: summarize(&mut b).context("no direct round trip")?,
+    })
+}
+
+/// The channel benchmark's client and server on this machine's loopback, directly.
+fn direct_channel_run(dir: &std::path::Path, bytes: u64) -> anyhow::Result<ChannelRun> {
+    use std::io::BufRead as _;
+    let script = dir.join("bench_channel.py");
+    std::fs::write(&script, CHANNEL_PROGRAM)?;
+    let mut server = std::process::Command::new("python3")
+        .arg(&script)
+        .arg("serve")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting python3 for the direct baseline")?;
+    let mut port = String::new();
+    std::io::BufReader::new(server.stdout.take().context("the server's output")?)
+        .read_line(&mut port)?;
+    let out = dir.join("channel-direct.json");
+    let ok = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["client", "127.0.0.1", port.trim()])
+        .arg(bytes.to_string())
+        .arg(CHANNEL_ROUNDS.to_string())
+        .arg(&out)
+        .status()?
+        .success();
+    let _ = server.wait();
+    anyhow::ensure!(ok, "the direct baseline's client failed");
+    Ok(serde_json::from_slice(&std::fs::read(&out)?)?)
+}
+
 /// Encrypts `from` into `to` with age to a fresh X25519 recipient, as `age -r` does: ms.
 fn age_encrypt(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<u64> {
     use std::io::Write as _;
@@ -436,6 +577,19 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     } else {
         (Some(time_transfer(&net, opts.transfer_bytes)?), None)
     };
+    let (channel, channel_skipped) = if opts.channel_bytes == 0 {
+        (None, Some("not asked for (--channel-mib 0)".to_string()))
+    } else if !nix::unistd::geteuid().is_root() {
+        let why = "requesters' programs run only where the executor is root";
+        (None, Some(why.to_string()))
+    } else if net.nodes.len() < 3 {
+        (
+            None,
+            Some("a group of two workers needs three nodes".to_string()),
+        )
+    } else {
+        (Some(time_channel(&net, opts.channel_bytes)?), None)
+    };
     let hostile = match &opts.hostile {
         Some(only) => Some(under_attack(&net, opts, only, &propagation_us)?),
         None => None,
@@ -443,6 +597,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     Ok(BenchReport {
         transfer,
         transfer_skipped,
+        channel,
+        channel_skipped,
         hostile,
         job_group,
         job_submit_to_placed_ms: placed_ms,

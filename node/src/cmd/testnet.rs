@@ -434,6 +434,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             hostile,
             only,
             transfer_mib,
+            channel_mib,
             format,
         } => {
             if dir.exists() {
@@ -460,6 +461,9 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                 transfer_bytes: transfer_mib
                     .checked_mul(1 << 20)
                     .context("--transfer-mib is too large")?,
+                channel_bytes: channel_mib
+                    .checked_mul(1 << 20)
+                    .context("--channel-mib is too large")?,
             };
             let r = bench::run(&opts)?;
             if format.json {
@@ -522,6 +526,21 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                             t.manifest_to_delivered_ms,
                             t.age_encrypt_ms,
                             t.ratio
+                        ),
+                        (None, why) => format!("skipped: {}", why.as_deref().unwrap_or("")),
+                    },
+                ),
+                (
+                    "group channel",
+                    match (&r.channel, &r.channel_skipped) {
+                        (Some(c), _) => format!(
+                            "{} MiB: {:.0} MB/s against {:.0} MB/s direct (ratio {:.2}); one-byte round trip p50 {} us against {} us direct",
+                            c.bytes >> 20,
+                            c.channel_mb_s,
+                            c.direct_mb_s,
+                            c.ratio,
+                            c.channel_rtt_us.p50,
+                            c.direct_rtt_us.p50
                         ),
                         (None, why) => format!("skipped: {}", why.as_deref().unwrap_or("")),
                     },

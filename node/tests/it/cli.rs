@@ -896,6 +896,8 @@ fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
             "--hostile",
             "--transfer-mib",
             "8",
+            "--channel-mib",
+            "4",
             "--json",
             "--dir",
             net.to_str().unwrap(),
@@ -914,6 +916,16 @@ fn a_hostile_bench_attacks_real_nodes_and_honest_offers_still_arrive() {
         assert!(t["ratio"].as_f64().unwrap() > 0.0, "{t}");
     } else {
         assert!(r["transfer_skipped"].is_string(), "{r}");
+    }
+    // The group channel carried its bytes, and the direct baseline ran beside it.
+    if nix::unistd::geteuid().is_root() {
+        let c = &r["channel"];
+        assert_eq!(c["bytes"], 4 << 20, "{r}");
+        assert!(c["channel_mb_s"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["direct_mb_s"].as_f64().unwrap() > 0.0, "{c}");
+        assert_eq!(c["channel_rtt_us"]["count"], 200, "{c}");
+    } else {
+        assert!(r["channel_skipped"].is_string(), "{r}");
     }
     let h = &r["hostile"];
     assert_eq!(h["receipts_seen"], h["receipts_expected"], "{h}");
