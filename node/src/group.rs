@@ -44,9 +44,13 @@ pub const RENDEZVOUS_PORT: u16 = 29_500;
 /// How long the opener of a stream has for its opening and the handshake.
 const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Streams being opened or handshaken at once, from all peers together: a peer opening
-/// streams it never completes holds at most these, for at most [`OPENING_TIMEOUT`].
+/// Streams being opened or handshaken at once, from all peers together, each for at most
+/// [`OPENING_TIMEOUT`].
 const MAX_OPENING: usize = 64;
+
+/// Of those, from one peer: a peer opening streams it never completes cannot hold the
+/// slots every other rank's connections need.
+const MAX_OPENING_PER_PEER: usize = 4;
 
 /// The first frame of a channel stream, in the clear: what its opener wants to reach.
 /// Nothing in it is trusted until the handshake (whose keys the rendezvous names)
@@ -250,6 +254,31 @@ pub struct Groups {
     control: libp2p_stream::Control,
     members: Mutex<HashMap<(Uuid, u64), Member>>,
     opening: Arc<tokio::sync::Semaphore>,
+    /// Streams in their opening, by peer.
+    opening_by_peer: Mutex<HashMap<PeerId, usize>>,
+}
+
+/// A stream's place among those in their opening: given back when dropped.
+struct OpeningSlot<'a> {
+    groups: &'a Groups,
+    peer: PeerId,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for OpeningSlot<'_> {
+    fn drop(&mut self) {
+        let mut by_peer = self
+            .groups
+            .opening_by_peer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = by_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                by_peer.remove(&self.peer);
+            }
+        }
+    }
 }
 
 impl Groups {
@@ -260,6 +289,30 @@ impl Groups {
             control,
             members: Mutex::new(HashMap::new()),
             opening: Arc::new(tokio::sync::Semaphore::new(MAX_OPENING)),
+            opening_by_peer: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A place for a stream of `peer` in its opening, unless that peer or every peer
+    /// together holds as many as they may.
+    fn opening_slot(&self, peer: PeerId) -> Option<OpeningSlot<'_>> {
+        let mut by_peer = self
+            .opening_by_peer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if by_peer
+            .get(&peer)
+            .is_some_and(|&n| n >= MAX_OPENING_PER_PEER)
+        {
+            return None;
+        }
+        // Counted only once granted: a refused peer leaves nothing behind.
+        let permit = self.opening.clone().try_acquire_owned().ok()?;
+        *by_peer.entry(peer).or_default() += 1;
+        Some(OpeningSlot {
+            groups: self,
+            peer,
+            _permit: permit,
         })
     }
 
@@ -278,12 +331,12 @@ impl Groups {
         Ok(tokio::spawn(async move {
             while let Some((peer, stream)) = incoming.next().await {
                 let Some(g) = groups.upgrade() else { return };
-                let Ok(permit) = g.opening.clone().try_acquire_owned() else {
-                    debug!(%peer, "group stream refused: too many being opened");
-                    continue;
-                };
                 tokio::spawn(async move {
-                    if let Err(e) = g.answer(peer, stream.compat(), permit).await {
+                    let Some(slot) = g.opening_slot(peer) else {
+                        debug!(%peer, "group stream refused: too many being opened");
+                        return;
+                    };
+                    if let Err(e) = g.answer(peer, stream.compat(), slot).await {
                         warn!(%peer, error = %format!("{e:#}"), "group stream refused");
                     }
                 });
@@ -497,7 +550,7 @@ impl Groups {
         &self,
         peer: PeerId,
         mut stream: S,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        slot: OpeningSlot<'_>,
     ) -> anyhow::Result<()> {
         let (channel, opening) = tokio::time::timeout(OPENING_TIMEOUT, async {
             let first = read_frame(&mut stream)
@@ -539,7 +592,7 @@ impl Groups {
         })
         .await
         .context("the opening and handshake timed out")??;
-        drop(permit);
+        drop(slot);
         let sandbox = self
             .members()
             .get(&(opening.rendezvous, opening.epoch))
@@ -638,6 +691,43 @@ mod tests {
         let (up, down) = one.await.unwrap().unwrap();
         assert_eq!((up, down), (sent.len() as u64, sent.len() as u64));
         zero.await.unwrap().unwrap();
+    }
+
+    #[test]
+    fn one_peer_holds_at_most_its_share_of_the_streams_in_their_opening() {
+        let groups = Groups::new(
+            Keypair::from_secret([1; 32]),
+            libp2p_stream::Behaviour::new().new_control(),
+        );
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let mut held: Vec<_> = (0..MAX_OPENING_PER_PEER)
+            .map(|_| groups.opening_slot(a).expect("within the peer's share"))
+            .collect();
+        assert!(groups.opening_slot(a).is_none(), "past the peer's share");
+        assert!(
+            groups.opening_slot(b).is_some(),
+            "another peer still gets one"
+        );
+        held.pop();
+        assert!(
+            groups.opening_slot(a).is_some(),
+            "a slot given back is free again"
+        );
+        drop(held);
+        // And all peers together hold at most MAX_OPENING.
+        let many: Vec<_> = (0..MAX_OPENING)
+            .map(|_| {
+                groups
+                    .opening_slot(PeerId::random())
+                    .expect("within the total")
+            })
+            .collect();
+        assert!(
+            groups.opening_slot(PeerId::random()).is_none(),
+            "past the total"
+        );
+        drop(many);
+        assert!(groups.opening_by_peer.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -135,6 +135,13 @@ fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
                 })
             })
     });
+    // The ranks' endpoints live in their sandboxes' own network namespaces: nothing of
+    // the group listens on the machine's loopback (the port is free here), nor anywhere
+    // else.
+    drop(
+        std::net::TcpListener::bind("127.0.0.1:29500")
+            .expect("the rendezvous port is taken on the machine's own loopback"),
+    );
     let zero = running.tasks[0]
         .ranks
         .iter()
