@@ -107,7 +107,9 @@ impl Market {
             review_window_ms: offer.review_window_ms,
             acceptance: Vec::new(),
             evaluation: None,
-            early: None,
+            // Placed on the first valid bid (widened if none comes): a check that waits
+            // out its window may come after the review window it has to beat.
+            early: Some(crate::job::Early::FirstBids(1)),
             spot_check_ppm: 0,
         };
         let excluded = check.workers();
