@@ -15,7 +15,7 @@ echo "== one job through the protocol"
 "$bin" demo "$@"
 
 echo
-echo "== five nodes on loopback: ads and offers gossiped, a group job placed and leased"
+echo "== five nodes on loopback: ads and offers gossiped, a group job placed and leased, work delivered, a group's channel"
 dir=$(mktemp -d)
 chmod 711 "$dir"   # the nodes' sandboxes run as uids of their own and must pass through
 up_pid=

@@ -309,13 +309,30 @@ fn time_work(net: &Testnet) -> anyhow::Result<(Vec<u64>, Vec<u64>)> {
 /// The program of the transfer phase's job: `bytes` random bytes into its output.
 fn transfer_bundle(bytes: u64) -> anyhow::Result<Vec<u8>> {
     let script = format!("head -c {bytes} /dev/urandom > \"$CANNABIS_WORK/blob.bin\"\n");
+    bundle_of(&[("run.sh", script.as_bytes())])
+}
+
+/// A program bundle (a tar file) holding `files`, by name.
+fn bundle_of(files: &[(&str, &[u8])]) -> anyhow::Result<Vec<u8>> {
     let mut tar = tar::Builder::new(Vec::new());
-    let mut header = tar::Header::new_ustar();
-    header.set_size(script.len() as u64);
-    header.set_mode(0o644);
-    header.set_cksum();
-    tar.append_data(&mut header, "run.sh", script.as_bytes())?;
+    for (name, data) in files {
+        let mut header = tar::Header::new_ustar();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(&mut header, name, *data)?;
+    }
     Ok(tar.into_inner()?)
+}
+
+/// Puts `bundle` where `job submit` keeps a bundle for workers to fetch, on node 0: its
+/// digest, which the offer pins.
+fn stage_bundle(net: &Testnet, bundle: &[u8]) -> anyhow::Result<Digest> {
+    let digest = Digest::of(bundle);
+    let packages = net.nodes[0].data_dir.join("packages");
+    std::fs::create_dir_all(&packages)?;
+    std::fs::write(packages.join(digest.to_string()), bundle)?;
+    Ok(digest)
 }
 
 /// Runs one process job from node 0 whose output is `bytes` random bytes, and times its
@@ -323,12 +340,7 @@ fn transfer_bundle(bytes: u64) -> anyhow::Result<Vec<u8>> {
 /// here, file to file, as the baseline.
 fn time_transfer(net: &Testnet, bytes: u64) -> anyhow::Result<TransferReport> {
     let origin = &net.nodes[0];
-    let bundle = transfer_bundle(bytes)?;
-    let digest = Digest::of(&bundle);
-    // Where `job submit` keeps a bundle for workers to fetch.
-    let packages = origin.data_dir.join("packages");
-    std::fs::create_dir_all(&packages)?;
-    std::fs::write(packages.join(digest.to_string()), &bundle)?;
+    let digest = stage_bundle(net, &transfer_bundle(bytes)?)?;
     let mut t = bench_offer(3_000_000);
     t.name = Some("bench-transfer".into());
     t.tasks[0].workload = Workload {
@@ -405,17 +417,10 @@ struct ChannelRun {
 /// then the same client and server over loopback here.
 fn time_channel(net: &Testnet, bytes: u64) -> anyhow::Result<ChannelReport> {
     let origin = &net.nodes[0];
-    let mut tar = tar::Builder::new(Vec::new());
-    let mut header = tar::Header::new_ustar();
-    header.set_size(CHANNEL_PROGRAM.len() as u64);
-    header.set_mode(0o644);
-    header.set_cksum();
-    tar.append_data(&mut header, "bench_channel.py", CHANNEL_PROGRAM.as_bytes())?;
-    let bundle = tar.into_inner()?;
-    let digest = Digest::of(&bundle);
-    let packages = origin.data_dir.join("packages");
-    std::fs::create_dir_all(&packages)?;
-    std::fs::write(packages.join(digest.to_string()), &bundle)?;
+    let digest = stage_bundle(
+        net,
+        &bundle_of(&[("bench_channel.py", CHANNEL_PROGRAM.as_bytes())])?,
+    )?;
     let mut t = bench_offer(4_000_000);
     t.name = Some("bench-channel".into());
     t.tasks[0].workload = Workload {
@@ -496,8 +501,12 @@ fn direct_channel_run(dir: &std::path::Path, bytes: u64) -> anyhow::Result<Chann
         .arg(bytes.to_string())
         .arg(CHANNEL_ROUNDS.to_string())
         .arg(&out)
-        .status()?
-        .success();
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        // A server whose client never came would wait for it for good.
+        let _ = server.kill();
+    }
     let _ = server.wait();
     anyhow::ensure!(ok, "the direct baseline's client failed");
     Ok(serde_json::from_slice(&std::fs::read(&out)?)?)
@@ -582,6 +591,12 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     } else if !nix::unistd::geteuid().is_root() {
         let why = "requesters' programs run only where the executor is root";
         (None, Some(why.to_string()))
+    } else if !std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        (None, Some("python3 is not installed".to_string()))
     } else if net.nodes.len() < 3 {
         (
             None,
