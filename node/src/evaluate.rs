@@ -307,6 +307,7 @@ fn run(
         renewal: Renewal::External,
         env: Vec::new(),
         loopback: false,
+        hold: false,
     };
     let mut k = 0;
     let attempt = loop {

@@ -27,7 +27,7 @@ pub fn machine_limits(data_dir: &Path, gpus: Vec<String>) -> Limits {
         processes: DEFAULT_PROCESSES,
         storage_bytes: host.hardware.storage_bytes,
         gpus,
-        adapters: vec![AdapterKind::Process, AdapterKind::Synthetic],
+        adapters: machine_adapters(),
         custom_code: true,
     }
 }
@@ -35,6 +35,16 @@ pub fn machine_limits(data_dir: &Path, gpus: Vec<String>) -> Limits {
 /// The ceilings file: the given path, else the default.
 pub fn ceilings_path(flag: Option<&Path>) -> PathBuf {
     flag.map_or_else(|| PathBuf::from(DEFAULT_CEILINGS), Path::to_path_buf)
+}
+
+/// Every adapter this executor implements that this machine can run: `torchrun` only
+/// where PyTorch's launcher is installed.
+pub fn machine_adapters() -> Vec<AdapterKind> {
+    let mut a = vec![AdapterKind::Process, AdapterKind::Synthetic];
+    if cannabis_runtime::exec::torchrun_installed() {
+        a.push(AdapterKind::Torchrun);
+    }
+    a
 }
 
 /// Opens an executor under `dir` with the ceilings at `ceilings` and the owner's limits.
@@ -245,6 +255,11 @@ impl ExecutorHandle {
                 until_ms,
             },
         )
+    }
+
+    /// Lets a held attempt's command start.
+    pub fn release(&self, id: &str) -> Result<(), ExecError> {
+        self.ask(|ex| ex.release(id), || Request::Release { id: id.into() })
     }
 
     /// Runs a failed attempt again.

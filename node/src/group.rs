@@ -1,48 +1,72 @@
 //! The group channel's I/O: the Noise handshake of [`cannabis_protocol::channel`] over a
 //! byte stream between two ranks' nodes (a swarm stream, relayed where needed), and the
-//! forwarding of one local connection through it.
+//! group's private network carried through it.
 //!
-//! The shape torchrun needs: rank 0 hosts the rendezvous (PyTorch's TCPStore) and the
-//! other ranks reach it, and each other's collectives, only through the channel. Each
-//! connection a rank's workload opens to its local endpoint becomes one stream to rank 0's
-//! node, with a handshake of its own; rank 0's node connects it to the service in its
-//! sandbox. A peer that fails the handshake reaches nothing.
+//! Each rank's sandbox gets one network interface besides its own loopback,
+//! [`groupnet::INTERFACE`], with its rank's address in the group's network
+//! (`10.29.0.0/16`, rank `r` at `10.29.0.0 + r + 1`). The device's other end is a
+//! descriptor its node holds: a packet the workload sends to another rank's address is
+//! read there and sealed into the channel to that rank's node, which writes it into that
+//! rank's sandbox. So every port of every rank reaches every other rank (PyTorch's store at
+//! rank 0, gloo's and NCCL's mesh of connections between all ranks), and nothing else: a
+//! packet to any other address goes nowhere, a packet that arrives is passed on only if it
+//! comes from the rank at the channel's other end and is for this rank.
+//!
+//! One channel (one swarm stream, one handshake) joins each pair of ranks: the higher rank
+//! opens it, the lower answers once its own sandbox is connected. A rank's node releases
+//! the held command of its sandbox (the executor made and checked it and holds it before
+//! it starts) only when its channels to every other rank are up: each rank has then proved,
+//! through a handshake only that rank could complete, that it is prepared. That is the gang
+//! start: no rank runs before all can. A rank whose channels are not all up within
+//! [`GANG_START`] is stopped instead, and the others with it (each times out alike); the
+//! requester re-places or refunds the task as for any failed run.
 //!
 //! Frames on the stream: a 2-byte big-endian length, then that many bytes (one Noise
-//! message, at most 65,535). The first frame, in the clear, is the [`Opening`]: which
-//! group attempt, which ranks, which port.
-//!
-//! On a node, [`Groups`] keeps the group attempts whose leases it holds. Once a rank's
-//! sandbox runs, its node reaches into the sandbox's own network namespace (only a
-//! loopback interface, which nothing outside the sandbox can reach): for a rank above 0 it
-//! listens on `127.0.0.1:29500` there (`MASTER_PORT`) and carries each connection to rank
-//! 0's node; rank 0's node connects what arrives for a port to that port on its sandbox's
-//! loopback, where the workload's service (PyTorch's store) listens. Nothing listens on a
-//! network interface of the machine.
+//! message, at most 65,535). The first frame, in the clear, is the [`Opening`]: which group
+//! attempt, which ranks. Each later message holds one IPv4 packet.
 
 use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use cannabis_market::lease::AssignmentKey;
-use cannabis_protocol::channel::{Channel, Handshake, MAX_PLAINTEXT};
+use cannabis_protocol::channel::{Channel, Handshake};
 use cannabis_protocol::{Keypair, Rendezvous, Uuid};
+use cannabis_runtime::groupnet::{self, ipv4_ends, rank_address, rank_of};
 use futures::StreamExt as _;
 use libp2p::{PeerId, StreamProtocol};
+use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::sync::mpsc;
 use tokio_util::compat::FuturesAsyncReadCompatExt as _;
 use tracing::{debug, info, warn};
 
 /// Protocol id of a group channel's streams on the swarm.
-pub const GROUP_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/group/1");
+pub const GROUP_PROTOCOL: StreamProtocol = StreamProtocol::new("/cannabis/group/2");
 
-/// The port of rank 0's rendezvous service (PyTorch's `MASTER_PORT` default): the
-/// endpoint every rank above 0 is given.
+/// The port of rank 0's rendezvous service (PyTorch's `MASTER_PORT` default).
 pub const RENDEZVOUS_PORT: u16 = 29_500;
+
+/// The MTU of a rank's group interface: a packet is one channel message, so at most
+/// [`cannabis_protocol::channel::MAX_PLAINTEXT`]; large, as on a loopback, so that bulk transfers cost few messages.
+pub const MTU: u32 = 65_000;
+
+/// How long a rank's node waits for its channels to every other rank before it stops
+/// its held rank instead of starting it.
+pub const GANG_START: Duration = Duration::from_secs(120);
 
 /// How long the opener of a stream has for its opening and the handshake.
 const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How soon a rank tries again to open its channel to a lower rank not yet prepared.
+const LINK_RETRY: Duration = Duration::from_millis(200);
+
+/// Packets waiting to be sealed into one channel; past that the router waits (the
+/// sandbox's own sends then queue in its interface, and TCP there slows down).
+const LINK_QUEUE: usize = 64;
 
 /// Streams being opened or handshaken at once, from all peers together, each for at most
 /// [`OPENING_TIMEOUT`].
@@ -52,7 +76,11 @@ const MAX_OPENING: usize = 64;
 /// slots every other rank's connections need.
 const MAX_OPENING_PER_PEER: usize = 4;
 
-/// The first frame of a channel stream, in the clear: what its opener wants to reach.
+/// What a rank's node does with its held sandbox once the gang start is decided: release
+/// it (`Ok`) or stop it (`Err` with why). Given the executor request id.
+pub type Starter = Arc<dyn Fn(String, Result<(), String>) + Send + Sync>;
+
+/// The first frame of a channel stream, in the clear: which channel its opener wants.
 /// Nothing in it is trusted until the handshake (whose keys the rendezvous names)
 /// completes: it only says which handshake to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,22 +93,19 @@ pub struct Opening {
     pub from: u32,
     /// The rank it wants to reach.
     pub to: u32,
-    /// The port of that rank's service.
-    pub port: u16,
 }
 
 impl Opening {
     /// Its length on the wire.
-    pub const LEN: usize = 34;
+    pub const LEN: usize = 32;
 
-    /// `id (16) || u64_le(epoch) || u32_le(from) || u32_le(to) || u16_le(port)`.
+    /// `id (16) || u64_le(epoch) || u32_le(from) || u32_le(to)`.
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
         b[..16].copy_from_slice(&self.rendezvous.0);
         b[16..24].copy_from_slice(&self.epoch.to_le_bytes());
         b[24..28].copy_from_slice(&self.from.to_le_bytes());
         b[28..32].copy_from_slice(&self.to.to_le_bytes());
-        b[32..34].copy_from_slice(&self.port.to_le_bytes());
         b
     }
 
@@ -99,7 +124,6 @@ impl Opening {
             epoch: u64::from_le_bytes(epoch),
             from: u32_at(24),
             to: u32_at(28),
-            port: u16::from_le_bytes([b[32], b[33]]),
         })
     }
 }
@@ -149,50 +173,163 @@ pub async fn establish<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(handshake.finish()?)
 }
 
-/// Carries `local` (a connection of the workload's, or to the service in rank 0's
-/// sandbox) through `channel` over `stream`, both ways, until either side closes. Each
-/// message holds at most [`MAX_PLAINTEXT`] bytes; a message that fails to open ends it.
-/// The bytes carried each way.
-pub async fn forward<S, L>(channel: Channel, stream: S, local: L) -> anyhow::Result<(u64, u64)>
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-    L: AsyncRead + AsyncWrite + Unpin,
-{
-    // One Noise state, two directions: sealing and opening use separate cipher states,
-    // so each holds the lock only for one message.
-    let channel = Arc::new(Mutex::new(channel));
-    fn lock(c: &Mutex<Channel>) -> anyhow::Result<std::sync::MutexGuard<'_, Channel>> {
-        c.lock()
-            .map_err(|_| anyhow::anyhow!("the channel's state was poisoned"))
+/// A rank's end of the group's network: its sandbox's interface (read: what the workload
+/// sends; write: what it receives) and the channels to the other ranks.
+pub struct Net {
+    rank: u32,
+    address: Ipv4Addr,
+    device: AsyncFd<OwnedFd>,
+    /// The packets waiting for each linked rank's channel.
+    links: Mutex<HashMap<u32, mpsc::Sender<Vec<u8>>>>,
+}
+
+impl Net {
+    /// Rank `rank`'s end, with the interface's descriptor `device` (non-blocking; one
+    /// packet per read and write).
+    #[allow(unsafe_code)]
+    pub fn new(rank: u32, device: OwnedFd) -> anyhow::Result<Arc<Self>> {
+        // SAFETY: the `OwnedFd` is the descriptor's only owner and moves into the
+        // `AsyncFd`, which deregisters it before it is closed: it stays the same open
+        // file for as long as it is registered.
+        let device = unsafe { AsyncFd::register(device) }
+            .map_err(|e| anyhow::anyhow!("watching the group interface: {e}"))?;
+        Ok(Arc::new(Self {
+            rank,
+            address: rank_address(rank).context("a rank beyond the group's network")?,
+            device,
+            links: Mutex::new(HashMap::new()),
+        }))
     }
-    let (mut stream_r, mut stream_w) = tokio::io::split(stream);
-    let (mut local_r, mut local_w) = tokio::io::split(local);
-    let out = async {
-        let mut buf = vec![0u8; MAX_PLAINTEXT];
-        let mut sent = 0u64;
+
+    fn links(&self) -> std::sync::MutexGuard<'_, HashMap<u32, mpsc::Sender<Vec<u8>>>> {
+        self.links.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The ranks with a channel up.
+    pub fn linked(&self) -> Vec<u32> {
+        let mut r: Vec<u32> = self.links().keys().copied().collect();
+        r.sort_unstable();
+        r
+    }
+
+    /// Writes one packet into the sandbox. A packet the interface cannot take now is
+    /// dropped, as a full link drops it (the sender's TCP sends it again).
+    fn deliver(&self, packet: &[u8]) {
+        if let Err(e) = nix::unistd::write(self.device.get_ref(), packet) {
+            debug!(error = %e, "a packet for the sandbox was dropped");
+        }
+    }
+
+    /// Reads one packet the sandbox sent.
+    async fn next_packet(&self, buf: &mut [u8]) -> std::io::Result<usize> {
         loop {
-            let n = local_r.read(&mut buf).await?;
-            if n == 0 {
-                stream_w.shutdown().await?;
-                return anyhow::Ok(sent);
+            let mut ready = self.device.readable().await?;
+            match ready
+                .try_io(|fd| nix::unistd::read(fd.get_ref(), buf).map_err(std::io::Error::from))
+            {
+                Ok(r) => return r,
+                Err(_would_block) => continue,
             }
-            let sealed = lock(&channel)?.seal(&buf[..n])?;
-            write_frame(&mut stream_w, &sealed).await?;
-            sent += n as u64;
         }
-    };
-    let back = async {
-        let mut got = 0u64;
-        while let Some(m) = read_frame(&mut stream_r).await? {
-            let plain = lock(&channel)?.open(&m)?;
-            local_w.write_all(&plain).await?;
-            got += plain.len() as u64;
+    }
+
+    /// Passes each packet the sandbox sends to the channel of the rank it is addressed
+    /// to; a packet for an address of no linked rank goes nowhere. Ends when the
+    /// interface does.
+    pub async fn route(self: Arc<Self>) {
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = match self.next_packet(&mut buf).await {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) => {
+                    warn!(rank = self.rank, error = %e, "the group interface failed");
+                    return;
+                }
+            };
+            let Some(to) = ipv4_ends(&buf[..n]).and_then(|(_, dst)| rank_of(dst)) else {
+                continue;
+            };
+            let link = self.links().get(&to).cloned();
+            if let Some(link) = link {
+                // Waits while the channel is full; an ended channel refuses at once.
+                let _ = link.send(buf[..n].to_vec()).await;
+            }
         }
-        local_w.shutdown().await?;
-        anyhow::Ok(got)
-    };
-    let (sent, got) = tokio::try_join!(out, back)?;
-    Ok((sent, got))
+    }
+
+    /// Carries packets between this rank's sandbox and rank `peer`'s through `channel`
+    /// over `stream`, until either side ends it. Only packets from `peer`'s address to
+    /// this rank's reach the sandbox.
+    pub async fn link<S>(
+        self: &Arc<Self>,
+        peer: u32,
+        channel: Channel,
+        stream: S,
+    ) -> anyhow::Result<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let from = rank_address(peer).context("a rank beyond the group's network")?;
+        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(LINK_QUEUE);
+        {
+            let mut links = self.links();
+            anyhow::ensure!(
+                !links.contains_key(&peer),
+                "rank {peer} has a channel here already"
+            );
+            links.insert(peer, tx);
+        }
+        /// Takes the link out of the table when the link ends, however it ends.
+        struct Unlink<'a>(&'a Net, u32);
+        impl Drop for Unlink<'_> {
+            fn drop(&mut self) {
+                self.0.links().remove(&self.1);
+            }
+        }
+        let _unlink = Unlink(self, peer);
+        // One Noise state, two directions: sealing and opening use separate cipher
+        // states, so each holds the lock only for one message.
+        let channel = Mutex::new(channel);
+        let lock = || {
+            channel
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the channel's state was poisoned"))
+        };
+        let (mut stream_r, mut stream_w) = tokio::io::split(stream);
+        let out = async {
+            let mut sent = 0u64;
+            while let Some(packet) = rx.recv().await {
+                let sealed = lock()?.seal(&packet)?;
+                write_frame(&mut stream_w, &sealed).await?;
+                sent += 1;
+            }
+            anyhow::Ok(sent)
+        };
+        let back = async {
+            let (mut got, mut refused) = (0u64, 0u64);
+            while let Some(m) = read_frame(&mut stream_r).await? {
+                let packet = lock()?.open(&m)?;
+                match ipv4_ends(&packet) {
+                    Some((src, dst)) if src == from && dst == self.address => {
+                        self.deliver(&packet);
+                        got += 1;
+                    }
+                    _ => refused += 1,
+                }
+            }
+            if refused > 0 {
+                debug!(peer, refused, "packets not from the channel's rank refused");
+            }
+            anyhow::Ok(got)
+        };
+        // Either direction's end is the link's: the other rank is gone.
+        tokio::select! {
+            r = out => debug!(peer, sent = r?, "group channel ended"),
+            r = back => debug!(peer, got = r?, "group channel ended"),
+        }
+        Ok(())
+    }
 }
 
 /// Fresh randomness for a handshake's ephemeral key.
@@ -210,48 +347,26 @@ struct Member {
     /// The lease's executor request id.
     request_id: String,
     key: AssignmentKey,
-    /// The network namespace of the rank's sandbox, once it runs: where its endpoint
-    /// listens (a rank above 0) or its service is reached (rank 0).
-    sandbox: Option<Arc<std::fs::File>>,
-    /// The endpoints' listeners; each holds the connections it carries, so aborting it
-    /// ends them.
-    listeners: Vec<tokio::task::JoinHandle<()>>,
+    /// The rank's end of the group's network, once its sandbox is made.
+    net: Option<Arc<Net>>,
+    /// The router, the channels this rank opens and the gang start's wait; aborting them
+    /// ends every channel.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Member {
     fn drop(&mut self) {
-        for l in &self.listeners {
-            l.abort();
+        for t in &self.tasks {
+            t.abort();
         }
     }
-}
-
-/// Runs `f` on a thread of its own inside the network namespace `ns` (a socket made there
-/// stays there): the node's own threads never change namespace.
-fn in_namespace<T: Send>(
-    ns: &std::fs::File,
-    f: impl FnOnce() -> std::io::Result<T> + Send,
-) -> anyhow::Result<T> {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
-                .context("entering the sandbox's network namespace")?;
-            Ok(f()?)
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("a thread in the sandbox's network namespace panicked"))?
-    })
-}
-
-/// The loopback address of a sandbox at `port`.
-fn loopback(port: u16) -> std::net::SocketAddr {
-    (std::net::Ipv4Addr::LOCALHOST, port).into()
 }
 
 /// The group attempts this node holds ranks of, and their channels.
 pub struct Groups {
     keys: Keypair,
     control: libp2p_stream::Control,
+    starter: Starter,
     members: Mutex<HashMap<(Uuid, u64), Member>>,
     opening: Arc<tokio::sync::Semaphore>,
     /// Streams in their opening, by peer.
@@ -282,11 +397,13 @@ impl Drop for OpeningSlot<'_> {
 }
 
 impl Groups {
-    /// The groups of a node with `keys`, their streams on `control`.
-    pub fn new(keys: Keypair, control: libp2p_stream::Control) -> Arc<Self> {
+    /// The groups of a node with `keys`, their streams on `control`; `starter` releases
+    /// or stops a rank's held sandbox.
+    pub fn new(keys: Keypair, control: libp2p_stream::Control, starter: Starter) -> Arc<Self> {
         Arc::new(Self {
             keys,
             control,
+            starter,
             members: Mutex::new(HashMap::new()),
             opening: Arc::new(tokio::sync::Semaphore::new(MAX_OPENING)),
             opening_by_peer: Mutex::new(HashMap::new()),
@@ -345,10 +462,11 @@ impl Groups {
     }
 
     /// The environment a rank's workload gets, as torchrun would set it for one process
-    /// per node: its rank, the group's size, and rank 0's rendezvous at the sandbox's own
-    /// loopback (which the channel forwards).
+    /// per node: its rank, the group's size, rank 0's address in the group's network as
+    /// the rendezvous, and the group's interface for the collectives' own connections.
     pub fn environment(rank: u32, rendezvous: &Rendezvous) -> Vec<(String, String)> {
         let world = rendezvous.roster.len();
+        let master = rank_address(0).map_or_else(String::new, |a| a.to_string());
         [
             ("RANK", rank.to_string()),
             ("GROUP_RANK", rank.to_string()),
@@ -357,9 +475,12 @@ impl Groups {
             ("WORLD_SIZE", world.to_string()),
             ("ROLE_WORLD_SIZE", world.to_string()),
             ("LOCAL_WORLD_SIZE", "1".to_string()),
-            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_ADDR", master),
             ("MASTER_PORT", RENDEZVOUS_PORT.to_string()),
             ("TORCHELASTIC_RUN_ID", rendezvous.id.to_string()),
+            ("GLOO_SOCKET_IFNAME", groupnet::INTERFACE.to_string()),
+            ("NCCL_SOCKET_IFNAME", groupnet::INTERFACE.to_string()),
+            ("TP_SOCKET_IFNAME", groupnet::INTERFACE.to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -367,7 +488,7 @@ impl Groups {
     }
 
     /// This node holds rank `key.2`'s lease at `epoch` of the group attempt `rendezvous`:
-    /// the rank's channel is known, its endpoints open once its sandbox runs
+    /// the rank's channels are known, its network is made once its sandbox is
     /// ([`Groups::attach`]). Joining again changes nothing.
     pub fn join(
         &self,
@@ -383,11 +504,17 @@ impl Groups {
             .find(|e| e.worker == me)
             .map(|e| e.rank)
             .context("this node is not in the group's roster")?;
+        anyhow::ensure!(
+            rendezvous.roster.len() as u64 <= u64::from(groupnet::MAX_RANKS),
+            "a group of {} ranks: the group's network holds {}",
+            rendezvous.roster.len(),
+            groupnet::MAX_RANKS
+        );
         let mut members = self.members();
         if members.contains_key(&(rendezvous.id, epoch)) {
             return Ok(());
         }
-        info!(rendezvous = %rendezvous.id, epoch, rank, ranks = rendezvous.roster.len(), "group channel open");
+        info!(rendezvous = %rendezvous.id, epoch, rank, ranks = rendezvous.roster.len(), "group joined");
         members.insert(
             (rendezvous.id, epoch),
             Member {
@@ -396,73 +523,137 @@ impl Groups {
                 rank,
                 request_id: request_id.to_owned(),
                 key,
-                sandbox: None,
-                listeners: Vec::new(),
+                net: None,
+                tasks: Vec::new(),
             },
         );
         Ok(())
     }
 
-    /// The sandbox of executor request `request_id` runs as process `pid` (inside its
-    /// network namespace): a rank above 0 gets its endpoint there, `127.0.0.1` at rank 0's
-    /// rendezvous port, and rank 0's service becomes reachable. Nothing for a request of
-    /// no group, or one attached already.
+    /// The sandbox of executor request `request_id` is made, held before its start, and
+    /// its monitor is process `pid` (inside its network namespace): the rank's interface
+    /// is made there, its router starts, it opens its channels to the lower ranks (the
+    /// higher ones open theirs to it), and once all are up the sandbox is released.
+    /// Nothing for a request of no group, or one attached already.
     pub fn attach(self: &Arc<Self>, request_id: &str, pid: u32) -> anyhow::Result<()> {
-        let Some((id, rank, rendezvous)) = self
+        let Some((id, rank, ranks)) = self
             .members()
             .iter()
-            .find(|(_, m)| m.request_id == request_id && m.sandbox.is_none())
-            .map(|(id, m)| (*id, m.rank, m.rendezvous.id))
+            .find(|(_, m)| m.request_id == request_id && m.net.is_none())
+            .map(|(id, m)| (*id, m.rank, m.rendezvous.roster.len() as u32))
         else {
             return Ok(());
         };
-        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
-            .with_context(|| format!("the network namespace of sandbox process {pid}"))?;
-        let mut listeners = Vec::new();
-        if rank != 0 {
-            let listener = in_namespace(&ns, || {
-                let l = std::net::TcpListener::bind(loopback(RENDEZVOUS_PORT))?;
-                l.set_nonblocking(true)?;
-                Ok(l)
-            })?;
-            let listener = tokio::net::TcpListener::from_std(listener)?;
+        let made = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .with_context(|| format!("the network namespace of sandbox process {pid}"))
+            .and_then(|ns| {
+                groupnet::make_interface(&ns, rank, MTU)
+                    .context("making the group interface in the sandbox")
+            })
+            .and_then(|device| Net::new(rank, device));
+        let net = match made {
+            Ok(net) => net,
+            Err(e) => {
+                (self.starter)(request_id.to_owned(), Err(format!("{e:#}")));
+                return Err(e);
+            }
+        };
+        let mut tasks = vec![tokio::spawn(net.clone().route())];
+        for lower in 0..rank {
             let opening = Opening {
-                rendezvous,
+                rendezvous: id.0,
                 epoch: id.1,
                 from: rank,
-                to: 0,
-                port: RENDEZVOUS_PORT,
+                to: lower,
             };
-            listeners.push(tokio::spawn(self.clone().carry(listener, opening)));
+            tasks.push(tokio::spawn(self.clone().dial(opening, net.clone())));
         }
+        tasks.push(tokio::spawn(self.clone().gang_start(
+            request_id.to_owned(),
+            net.clone(),
+            ranks,
+        )));
         let mut members = self.members();
         let Some(m) = members.get_mut(&id) else {
-            // Left meanwhile: the listeners go.
-            listeners.iter().for_each(tokio::task::JoinHandle::abort);
+            // Left meanwhile: the tasks go.
+            tasks.iter().for_each(tokio::task::JoinHandle::abort);
             return Ok(());
         };
-        m.sandbox = Some(Arc::new(ns));
-        m.listeners.extend(listeners);
-        info!(%rendezvous, epoch = id.1, rank, "group channel reaches the sandbox");
+        m.net = Some(net);
+        m.tasks.extend(tasks);
+        info!(rendezvous = %id.0, epoch = id.1, rank, "group interface made in the sandbox");
         Ok(())
     }
 
-    /// The lease of executor request `request_id` ended: its group's endpoints close and
-    /// every connection through them ends.
-    pub fn leave(&self, request_id: &str) {
-        for g in self.remove_where(|m| m.request_id == request_id) {
-            info!(rendezvous = %g.rendezvous.id, epoch = g.epoch, rank = g.rank, "group channel closed");
+    /// Releases the held rank once it has a channel to every other rank; stops it if that
+    /// takes longer than [`GANG_START`].
+    async fn gang_start(self: Arc<Self>, request_id: String, net: Arc<Net>, ranks: u32) {
+        let deadline = tokio::time::Instant::now() + GANG_START;
+        let others = ranks.saturating_sub(1) as usize;
+        loop {
+            let linked = net.linked();
+            if linked.len() >= others {
+                info!(%request_id, rank = net.rank, ranks, "every rank is ready: the group starts");
+                (self.starter)(request_id, Ok(()));
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let missing: Vec<String> = (0..ranks)
+                    .filter(|r| *r != net.rank && !linked.contains(r))
+                    .map(|r| r.to_string())
+                    .collect();
+                let why = format!(
+                    "gang start: rank {} not ready within {} s",
+                    missing.join(", "),
+                    GANG_START.as_secs()
+                );
+                warn!(%request_id, rank = net.rank, %why, "the group does not start");
+                (self.starter)(request_id, Err(why));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// Takes out the members `pred` picks (dropping one closes its endpoints).
+    /// Opens this rank's channel to the lower rank `opening.to`, trying again while that
+    /// rank is not prepared, then carries it until it ends.
+    async fn dial(self: Arc<Self>, opening: Opening, net: Arc<Net>) {
+        let deadline = tokio::time::Instant::now() + GANG_START;
+        loop {
+            match self.open(opening).await {
+                Ok((channel, stream)) => {
+                    if let Err(e) = net.link(opening.to, channel, stream).await {
+                        debug!(to = opening.to, error = %format!("{e:#}"), "group channel ended");
+                    }
+                    return;
+                }
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    debug!(to = opening.to, error = %format!("{e:#}"), "group channel not open yet");
+                    tokio::time::sleep(LINK_RETRY).await;
+                }
+                Err(e) => {
+                    warn!(to = opening.to, error = %format!("{e:#}"), "group channel not opened");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The lease of executor request `request_id` ended: its group's channels close.
+    pub fn leave(&self, request_id: &str) {
+        for g in self.remove_where(|m| m.request_id == request_id) {
+            info!(rendezvous = %g.rendezvous.id, epoch = g.epoch, rank = g.rank, "group left");
+        }
+    }
+
+    /// Takes out the members `pred` picks (dropping one ends its channels).
     fn remove_where(&self, pred: impl Fn(&Member) -> bool) -> Vec<Member> {
         let mut m = self.members();
         let ids: Vec<_> = m.iter().filter(|(_, v)| pred(v)).map(|(k, _)| *k).collect();
         ids.into_iter().filter_map(|k| m.remove(&k)).collect()
     }
 
-    /// The node stops: every group's endpoints close.
+    /// The node stops: every group's channels close.
     pub fn close(&self) {
         let gone: Vec<Member> = self.members().drain().map(|(_, m)| m).collect();
         drop(gone);
@@ -471,42 +662,16 @@ impl Groups {
     /// Keeps only the group attempts whose lease `live` says still holds.
     pub fn retain(&self, live: impl Fn(&AssignmentKey, u64) -> bool) {
         for g in self.remove_where(|m| !live(&m.key, m.epoch)) {
-            info!(rendezvous = %g.rendezvous.id, epoch = g.epoch, rank = g.rank, "group channel closed: its lease ended");
+            info!(rendezvous = %g.rendezvous.id, epoch = g.epoch, rank = g.rank, "group left: its lease ended");
         }
     }
 
-    /// Carries each connection to `listener` to the rank the opening names.
-    async fn carry(self: Arc<Self>, listener: tokio::net::TcpListener, opening: Opening) {
-        let mut connections = tokio::task::JoinSet::new();
-        loop {
-            tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok((local, _)) => {
-                        let g = self.clone();
-                        connections.spawn(async move {
-                            match g.open(opening, local).await {
-                                Ok((up, down)) => debug!(to = opening.to, port = opening.port, up, down, "group connection ended"),
-                                Err(e) => warn!(to = opening.to, port = opening.port, error = %format!("{e:#}"), "group connection failed"),
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "group endpoint failed");
-                        return;
-                    }
-                },
-                Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            }
-        }
-    }
-
-    /// Opens a stream to the rank `opening` names, runs the handshake as its initiator
-    /// and forwards `local` through the channel.
-    async fn open<L: AsyncRead + AsyncWrite + Unpin>(
+    /// Opens a stream to the rank `opening` names and runs the handshake as its
+    /// initiator.
+    async fn open(
         &self,
         opening: Opening,
-        local: L,
-    ) -> anyhow::Result<(u64, u64)> {
+    ) -> anyhow::Result<(Channel, impl AsyncRead + AsyncWrite + Unpin + use<>)> {
         let rendezvous = self
             .members()
             .get(&(opening.rendezvous, opening.epoch))
@@ -540,27 +705,28 @@ impl Groups {
         })
         .await
         .context("the handshake timed out")??;
-        forward(channel, stream, local).await
+        Ok((channel, stream))
     }
 
     /// A stream another node opened: its opening, the handshake as responder with the
-    /// roster's member for the opener's rank (who must be the peer that opened it), then
-    /// the connection to the service on the opening's port in this rank's sandbox.
-    async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
+    /// roster's member for the opener's rank (who must be the peer that opened it, and a
+    /// higher rank), once this rank's sandbox is connected; then the channel carries the
+    /// two ranks' packets until it ends or this rank leaves the group.
+    async fn answer<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         &self,
         peer: PeerId,
         mut stream: S,
         slot: OpeningSlot<'_>,
     ) -> anyhow::Result<()> {
-        let (channel, opening) = tokio::time::timeout(OPENING_TIMEOUT, async {
+        let (channel, opening, net) = tokio::time::timeout(OPENING_TIMEOUT, async {
             let first = read_frame(&mut stream)
                 .await?
                 .context("the stream closed before its opening")?;
             let opening = Opening::decode(&first)?;
-            let (rendezvous, rank) = self
+            let (rendezvous, rank, net) = self
                 .members()
                 .get(&(opening.rendezvous, opening.epoch))
-                .map(|m| (m.rendezvous.clone(), m.rank))
+                .map(|m| (m.rendezvous.clone(), m.rank, m.net.clone()))
                 .with_context(|| {
                     format!(
                         "no group attempt {} at epoch {} here",
@@ -568,6 +734,11 @@ impl Groups {
                     )
                 })?;
             anyhow::ensure!(opening.to == rank, "rank {} is not here", opening.to);
+            anyhow::ensure!(
+                opening.from > rank,
+                "rank {} opens no channel to rank {rank}: the higher rank opens",
+                opening.from
+            );
             let opener = rendezvous
                 .roster
                 .iter()
@@ -579,6 +750,7 @@ impl Groups {
                 "rank {} is not this peer",
                 opening.from
             );
+            let net = net.with_context(|| format!("rank {rank} is not prepared yet"))?;
             let hs = Handshake::new(
                 &self.keys,
                 &opener,
@@ -588,32 +760,24 @@ impl Groups {
                 fresh()?,
             )?;
             let channel = establish(&mut stream, hs).await?;
-            anyhow::Ok((channel, opening))
+            anyhow::Ok((channel, opening, net))
         })
         .await
         .context("the opening and handshake timed out")??;
         drop(slot);
-        let sandbox = self
-            .members()
-            .get(&(opening.rendezvous, opening.epoch))
-            .and_then(|m| m.sandbox.clone())
-            .context("this rank's sandbox is not running")?;
-        let port = opening.port;
-        let local = tokio::task::spawn_blocking(move || {
-            in_namespace(&sandbox, || {
-                let s = std::net::TcpStream::connect(loopback(port))?;
-                s.set_nonblocking(true)?;
-                Ok(s)
-            })
-        })
-        .await?
-        .with_context(|| format!("no service on port {port} in the sandbox"))?;
-        let local = tokio::net::TcpStream::from_std(local)?;
-        let (up, down) = forward(channel, stream, local).await?;
-        debug!(
-            from = opening.from,
-            port, up, down, "group connection served"
-        );
+        // The channel is the member's: its leaving ends it.
+        let id = (opening.rendezvous, opening.epoch);
+        let from = opening.from;
+        let carried = net.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = carried.link(from, channel, stream).await {
+                debug!(from, error = %format!("{e:#}"), "group channel ended");
+            }
+        });
+        match self.members().get_mut(&id) {
+            Some(m) if m.net.as_ref().is_some_and(|n| Arc::ptr_eq(n, &net)) => m.tasks.push(task),
+            _ => task.abort(),
+        }
         Ok(())
     }
 }
@@ -622,7 +786,7 @@ impl Groups {
 mod tests {
     use super::*;
     use cannabis_protocol::{Keypair, Rendezvous, RosterEntry, Uuid};
-    use tokio::net::{TcpListener, TcpStream};
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 
     fn group(members: &[&Keypair]) -> Rendezvous {
         Rendezvous {
@@ -638,59 +802,131 @@ mod tests {
         }
     }
 
-    /// Rank 0's side of one stream: the handshake with the rank that opened it, then the
-    /// connection to `service`.
-    async fn rank0(
-        keys: Keypair,
-        peer: cannabis_protocol::Address,
-        g: Rendezvous,
-        mut stream: tokio::io::DuplexStream,
-        service: std::net::SocketAddr,
-    ) -> anyhow::Result<(u64, u64)> {
-        let hs = Handshake::new(&keys, &peer, &g, 1, false, [7; 32])?;
-        let channel = establish(&mut stream, hs).await?;
-        let local = TcpStream::connect(service).await?;
-        forward(channel, stream, local).await
+    /// A stand-in for a rank's interface that keeps packets whole as the TUN device does:
+    /// the node's end, and the sandbox's.
+    fn device() -> (OwnedFd, std::os::unix::net::UnixDatagram) {
+        let (node, sandbox) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        // A datagram socket's calls read and write a sequenced-packet one's whole packets.
+        let sandbox = std::os::unix::net::UnixDatagram::from(sandbox);
+        sandbox.set_nonblocking(false).unwrap();
+        sandbox
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        (node, sandbox)
+    }
+
+    /// An IPv4 packet from rank `from` to rank `to` carrying `body`.
+    fn packet(from: u32, to: u32, body: &[u8]) -> Vec<u8> {
+        let mut p = vec![0u8; 20];
+        p[0] = 0x45;
+        p[2..4].copy_from_slice(&((20 + body.len()) as u16).to_be_bytes());
+        p[12..16].copy_from_slice(&rank_address(from).unwrap().octets());
+        p[16..20].copy_from_slice(&rank_address(to).unwrap().octets());
+        p.extend_from_slice(body);
+        p
+    }
+
+    async fn received(sandbox: &std::os::unix::net::UnixDatagram) -> Option<Vec<u8>> {
+        let s = sandbox.try_clone().unwrap();
+        tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; 1 << 16];
+            s.recv(&mut buf).ok().map(|n| buf[..n].to_vec())
+        })
+        .await
+        .unwrap()
     }
 
     #[tokio::test]
-    async fn a_ranks_connection_reaches_the_service_of_rank_0_through_the_channel() {
+    async fn packets_between_two_ranks_cross_the_channel_and_nothing_else_does() {
         let (r0, r1) = (Keypair::from_secret([1; 32]), Keypair::from_secret([2; 32]));
         let g = group(&[&r0, &r1]);
-        // The service in rank 0's sandbox (PyTorch's store, here an echo that upper-cases).
-        let service = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let service_addr = service.local_addr().unwrap();
-        let served = tokio::spawn(async move {
-            let (mut s, _) = service.accept().await.unwrap();
-            let mut buf = Vec::new();
-            s.read_to_end(&mut buf).await.unwrap();
-            s.write_all(&buf.to_ascii_uppercase()).await.unwrap();
-            s.shutdown().await.unwrap();
-            buf.len()
-        });
-        // The swarm stream between the two nodes.
-        let (a, b) = tokio::io::duplex(1 << 16);
-        let zero = tokio::spawn(rank0(r0.clone(), r1.address(), g.clone(), b, service_addr));
-        // Rank 1's workload connects to its local endpoint: one side of a socket pair.
-        let (workload, endpoint) = tokio::io::duplex(1 << 16);
-        let one = tokio::spawn(async move {
-            let mut a = a;
-            let hs = Handshake::new(&r1, &r0.address(), &g, 1, true, [8; 32])?;
-            let channel = establish(&mut a, hs).await?;
-            forward(channel, a, endpoint).await
-        });
-        let (mut wr, mut ww) = tokio::io::split(workload);
-        // More than one message's worth, to cross several frames.
-        let sent = b"store.set(key, value) ".repeat(10_000);
-        ww.write_all(&sent).await.unwrap();
-        ww.shutdown().await.unwrap();
-        let mut back = Vec::new();
-        wr.read_to_end(&mut back).await.unwrap();
-        assert_eq!(back, sent.to_ascii_uppercase());
-        assert_eq!(served.await.unwrap(), sent.len());
-        let (up, down) = one.await.unwrap().unwrap();
-        assert_eq!((up, down), (sent.len() as u64, sent.len() as u64));
-        zero.await.unwrap().unwrap();
+        let ((d0, sandbox0), (d1, sandbox1)) = (device(), device());
+        let (net0, net1) = (Net::new(0, d0).unwrap(), Net::new(1, d1).unwrap());
+        tokio::spawn(net0.clone().route());
+        tokio::spawn(net1.clone().route());
+        // The swarm stream between the two nodes; rank 1 opens, rank 0 answers.
+        let (mut a, mut b) = tokio::io::duplex(1 << 18);
+        let (hs1, hs0) = (
+            Handshake::new(&r1, &r0.address(), &g, 1, true, [8; 32]).unwrap(),
+            Handshake::new(&r0, &r1.address(), &g, 1, false, [7; 32]).unwrap(),
+        );
+        let (c1, c0) = tokio::join!(establish(&mut a, hs1), establish(&mut b, hs0));
+        let (n0, n1) = (net0.clone(), net1.clone());
+        tokio::spawn(async move { n0.link(1, c0.unwrap(), b).await });
+        tokio::spawn(async move { n1.link(0, c1.unwrap(), a).await });
+        for _ in 0..100 {
+            if net0.linked() == [1] && net1.linked() == [0] {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!((net0.linked(), net1.linked()), (vec![1], vec![0]));
+
+        // Rank 1's workload sends to rank 0 (a large packet too), and rank 0 answers.
+        for body in [&b"store.set"[..], &[9u8; 60_000][..]] {
+            let p = packet(1, 0, body);
+            sandbox1.send(&p).unwrap();
+            assert_eq!(received(&sandbox0).await.as_deref(), Some(&p[..]));
+        }
+        let p = packet(0, 1, b"ok");
+        sandbox0.send(&p).unwrap();
+        assert_eq!(received(&sandbox1).await.as_deref(), Some(&p[..]));
+
+        // To an address of no linked rank, or not of the group: nowhere.
+        sandbox1.send(&packet(1, 5, b"x")).unwrap();
+        let mut outside = packet(1, 0, b"x");
+        outside[16..20].copy_from_slice(&[192, 168, 1, 1]);
+        sandbox1.send(&outside).unwrap();
+        sandbox1.send(b"not a packet").unwrap();
+        // Claiming another rank's address: refused by rank 0's node.
+        sandbox1.send(&packet(2, 0, b"spoofed")).unwrap();
+        assert_eq!(received(&sandbox0).await, None, "a packet got through");
+        // And the channel still carries the next honest one.
+        let p = packet(1, 0, b"after");
+        sandbox1.send(&p).unwrap();
+        assert_eq!(received(&sandbox0).await.as_deref(), Some(&p[..]));
+    }
+
+    #[tokio::test]
+    async fn a_second_channel_from_a_linked_rank_is_refused() {
+        let (r0, r1) = (Keypair::from_secret([1; 32]), Keypair::from_secret([2; 32]));
+        let g = group(&[&r0, &r1]);
+        let (d0, _sandbox0) = device();
+        let net0 = Net::new(0, d0).unwrap();
+        let mut channels = Vec::new();
+        for seed in [3u8, 5] {
+            let (mut a, mut b) = tokio::io::duplex(1 << 16);
+            let hs1 = Handshake::new(&r1, &r0.address(), &g, 1, true, [seed; 32]).unwrap();
+            let hs0 = Handshake::new(&r0, &r1.address(), &g, 1, false, [seed + 1; 32]).unwrap();
+            let (c1, c0) = tokio::join!(establish(&mut a, hs1), establish(&mut b, hs0));
+            c1.unwrap();
+            channels.push((c0.unwrap(), b, a));
+        }
+        let (c, b, _a) = channels.remove(0);
+        let n0 = net0.clone();
+        let first = tokio::spawn(async move { n0.link(1, c, b).await });
+        for _ in 0..100 {
+            if net0.linked() == [1] {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (c, b, _a2) = channels.remove(0);
+        let e = net0.link(1, c, b).await.unwrap_err();
+        assert!(format!("{e}").contains("already"), "{e}");
+        assert_eq!(net0.linked(), [1], "the first channel stays");
+        first.abort();
+        let _ = first.await;
+        assert!(
+            net0.linked().is_empty(),
+            "an ended channel leaves the table"
+        );
     }
 
     #[test]
@@ -698,6 +934,7 @@ mod tests {
         let groups = Groups::new(
             Keypair::from_secret([1; 32]),
             libp2p_stream::Behaviour::new().new_control(),
+            Arc::new(|_, _| {}),
         );
         let (a, b) = (PeerId::random(), PeerId::random());
         let mut held: Vec<_> = (0..MAX_OPENING_PER_PEER)
@@ -737,44 +974,37 @@ mod tests {
             epoch: 3,
             from: 2,
             to: 0,
-            port: RENDEZVOUS_PORT,
         };
         let b = o.encode();
         assert_eq!(b.len(), Opening::LEN);
         assert_eq!(&b[16..24], &3u64.to_le_bytes());
-        assert_eq!(&b[32..], &29_500u16.to_le_bytes());
+        assert_eq!(&b[24..28], &2u32.to_le_bytes());
         assert_eq!(Opening::decode(&b).unwrap(), o);
-        assert!(Opening::decode(&b[..33]).is_err());
+        assert!(Opening::decode(&b[..31]).is_err());
         let mut long = b.to_vec();
         long.push(0);
         assert!(Opening::decode(&long).is_err());
     }
 
     #[tokio::test]
-    async fn a_peer_outside_the_group_reaches_nothing() {
+    async fn a_peer_outside_the_group_completes_no_handshake() {
         let (r0, r1, stranger) = (
             Keypair::from_secret([1; 32]),
             Keypair::from_secret([2; 32]),
             Keypair::from_secret([3; 32]),
         );
         let g = group(&[&r0, &r1]);
-        let service = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let service_addr = service.local_addr().unwrap();
-        let (a, b) = tokio::io::duplex(1 << 16);
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
         // Rank 0 expects rank 1 on this stream (its swarm connection says who dialled).
-        let zero = tokio::spawn(rank0(r0.clone(), r1.address(), g.clone(), b, service_addr));
+        let hs0 = Handshake::new(&r0, &r1.address(), &g, 1, false, [7; 32]).unwrap();
+        let zero = tokio::spawn(async move { establish(&mut b, hs0).await });
         // The stranger, with a roster of its own naming it as rank 1.
         let mut forged = g.clone();
         forged.roster[1].worker = stranger.address();
-        let mut a = a;
         let hs = Handshake::new(&stranger, &r0.address(), &forged, 1, true, [9; 32]).unwrap();
         let _ = establish(&mut a, hs).await;
         drop(a);
         let e = zero.await.unwrap().unwrap_err();
         assert!(format!("{e:#}").contains("handshake"), "{e:#}");
-        // Nothing connected to the service.
-        let accepted =
-            tokio::time::timeout(std::time::Duration::from_millis(200), service.accept()).await;
-        assert!(accepted.is_err(), "the service saw a connection");
     }
 }

@@ -464,6 +464,7 @@ pub async fn start(
     let groups = crate::group::Groups::new(
         keys.signing.clone(),
         swarm.behaviour().streams.new_control(),
+        group_starter(executor_rx.clone()),
     );
     let group_streams = groups.serve()?;
     let corrupt = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1778,6 +1779,31 @@ impl Node {
         warn!(%peer, score, why, "peer penalized");
         self.let_go_if_graylisted(peer);
     }
+}
+
+/// What a group rank's node does with its held sandbox once the gang start is decided
+/// (see [`crate::group`]): the executor releases it, or stops it with the reason.
+fn group_starter(executor: handle::ExecutorSlot) -> crate::group::Starter {
+    Arc::new(move |request_id: String, outcome: Result<(), String>| {
+        let Some(Ok(ex)) = executor.borrow().as_deref().cloned() else {
+            warn!(%request_id, "no executor to start the group's rank");
+            return;
+        };
+        tokio::task::spawn_blocking(move || {
+            let attempt = match run::attempt_for(&ex, &request_id) {
+                Ok(Some(a)) => a,
+                Ok(None) => return warn!(%request_id, "the group's rank has no attempt"),
+                Err(e) => return warn!(%request_id, error = %e, "the group's rank not found"),
+            };
+            let done = match &outcome {
+                Ok(()) => ex.release(&attempt.id),
+                Err(why) => ex.stop(&attempt.id, why).map(|_| ()),
+            };
+            if let Err(e) = done {
+                warn!(%request_id, error = %e, "the executor did not start or stop the group's rank");
+            }
+        });
+    })
 }
 
 #[cfg(test)]

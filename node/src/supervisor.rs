@@ -85,6 +85,11 @@ pub enum Request {
         /// The new end, milliseconds since the Unix epoch.
         until_ms: u64,
     },
+    /// Let a held attempt's command start (a group's rank, once the group is ready).
+    Release {
+        /// Its id.
+        id: String,
+    },
     /// Run a failed attempt again, by the owner's decision.
     Retry {
         /// The failed attempt.
@@ -551,6 +556,7 @@ impl Supervisor {
             Request::Orphans => to_value(ex.orphans()),
             Request::Stop { id, why } => to_value(ex.stop(&id, &why)?),
             Request::Renew { id, until_ms } => to_value(ex.renew(&id, until_ms)?),
+            Request::Release { id } => to_value(ex.release(&id)?),
             Request::Retry { id, request_id } => to_value(ex.retry(&id, request_id)?),
             Request::Clear { id } => {
                 if caller != Caller::Administrator {

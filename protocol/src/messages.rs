@@ -70,6 +70,14 @@ pub enum AdapterKind {
     Torchrun,
 }
 
+impl AdapterKind {
+    /// Whether its workload is the requester's program bundle (pinned by the workload's
+    /// digest), which the worker fetches before it runs.
+    pub fn runs_a_bundle(self) -> bool {
+        matches!(self, Self::Process | Self::Torchrun)
+    }
+}
+
 /// GPU vendors. Group jobs never mix vendors in one process group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use cannabis_protocol::{AdapterKind, Digest, IsolationLayer, TaskInput};
 use serde::{Deserialize, Serialize};
 
-pub use adapter::run_synthetic;
+pub use adapter::{run_synthetic, torchrun_installed};
 pub use attempt::{
     Attempt, AttemptRequest, AttemptState, Cleanup, Renewal, Reservation, SyntheticResult,
     WrongState,
@@ -324,6 +324,7 @@ impl Executor {
             cancel: None,
             layers: Vec::new(),
             monitor_pid: None,
+            released: false,
             exit: None,
             usage: None,
             result: None,
@@ -395,6 +396,15 @@ impl Executor {
             self.inner.cgroups.open(id).kill();
         }
         self.get(id)
+    }
+
+    /// Lets a held attempt's command start ([`AttemptRequest::hold`]); nothing for one
+    /// that is not held or started already.
+    pub fn release(&self, id: &str) -> Result<(), ExecError> {
+        self.inner.update(id, |a| {
+            a.released = true;
+            Ok(())
+        })
     }
 
     /// Moves an attempt's lease end (market renewals).
@@ -793,8 +803,12 @@ impl Inner {
                 kind_name(kind)
             ));
         }
-        if kind == AdapterKind::Process && !owner.custom_code {
+        let custom = matches!(kind, AdapterKind::Process | AdapterKind::Torchrun);
+        if custom && !owner.custom_code {
             return Err("custom code is not allowed on this machine".into());
+        }
+        if kind == AdapterKind::Torchrun && !adapter::torchrun_installed() {
+            return Err("torchrun is not installed on this machine (PyTorch)".into());
         }
         for layer in adapter.isolation() {
             if !self.layers.contains(layer) {
@@ -805,7 +819,7 @@ impl Inner {
                 ));
             }
         }
-        if kind == AdapterKind::Process && !self.as_root {
+        if custom && !self.as_root {
             // Without root the sandbox runs as the node's own user, who owns node.key and
             // api.token: a program could read them through any gap in the other layers.
             return Err(
@@ -1244,6 +1258,7 @@ pub(crate) mod tests {
             renewal: Renewal::Local,
             env: Vec::new(),
             loopback: false,
+            hold: false,
         }
     }
 

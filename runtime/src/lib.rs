@@ -10,5 +10,6 @@ pub mod cdi;
 pub mod challenge;
 pub mod exec;
 pub mod gpu;
+pub mod groupnet;
 pub mod probe;
 pub mod sandbox;

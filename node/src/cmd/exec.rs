@@ -189,9 +189,7 @@ fn build_request(args: &ExecRunArgs) -> anyhow::Result<AttemptRequest> {
     let task = template.tasks[index].clone();
     let bundle = match &draft.bundle {
         Source::Path(p) => Some(base.join(p)),
-        Source::Digest { .. }
-            if task.workload.adapter == cannabis_protocol::AdapterKind::Process =>
-        {
+        Source::Digest { .. } if task.workload.adapter.runs_a_bundle() => {
             anyhow::bail!(
                 "the bundle is pinned by digest only; exec run needs the file (bundle = \"path\")"
             )
@@ -254,6 +252,7 @@ fn build_request(args: &ExecRunArgs) -> anyhow::Result<AttemptRequest> {
         renewal: Renewal::Local,
         env: Vec::new(),
         loopback: false,
+        hold: false,
     })
 }
 

@@ -396,7 +396,7 @@ fn check_packages_kept(
 ) -> anyhow::Result<()> {
     for (i, t) in template.tasks.iter().enumerate() {
         let mut needed = Vec::new();
-        if t.workload.adapter == cannabis_protocol::AdapterKind::Process {
+        if t.workload.adapter.runs_a_bundle() {
             needed.push(("workload.digest".to_string(), t.workload.digest));
         }
         for input in &t.inputs {

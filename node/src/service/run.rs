@@ -34,7 +34,7 @@ fn staging_dir(data_dir: &std::path::Path, request_id: &str) -> PathBuf {
 
 /// Whether a task needs packages from its requester before it can run.
 fn needs_packages(task: &TaskSpec) -> bool {
-    task.workload.adapter == AdapterKind::Process || !task.inputs.is_empty()
+    task.workload.adapter.runs_a_bundle() || !task.inputs.is_empty()
 }
 
 /// Starts the task that carries out run orders; orders sent before the executor opened
@@ -235,7 +235,7 @@ impl PackageFetch {
         };
         let storage = task.resources.storage_bytes;
         let mut wanted = Vec::new();
-        if task.workload.adapter == AdapterKind::Process {
+        if task.workload.adapter.runs_a_bundle() {
             wanted.push((
                 object(ObjectKind::Bundle, "bundle"),
                 Check {
@@ -349,6 +349,7 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
     let mut pause = WATCH_FIRST;
     // The attempt's id once found: then it is read alone, not found among every attempt.
     let mut known: Option<String> = None;
+    let mut sandboxed = false;
     loop {
         let (ex2, id, known2) = (ex.clone(), request_id.clone(), known.clone());
         let found = tokio::task::spawn_blocking(move || match known2 {
@@ -363,17 +364,21 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
         };
         known = Some(attempt.id.clone());
         let stage = stage_of(&attempt);
+        // The sandbox exists (a held one waits for its node to connect it to its group).
+        if let (false, Some(pid)) = (sandboxed, attempt.monitor_pid)
+            && !stage.is_final()
+        {
+            sandboxed = true;
+            let sandboxed = Command::Sandboxed {
+                request_id: request_id.clone(),
+                pid,
+            };
+            if node.send(sandboxed).await.is_err() {
+                return;
+            }
+        }
         if last != Some(stage) {
             last = Some(stage);
-            if let (RunStage::Running, Some(pid)) = (stage, attempt.monitor_pid) {
-                let sandboxed = Command::Sandboxed {
-                    request_id: request_id.clone(),
-                    pid,
-                };
-                if node.send(sandboxed).await.is_err() {
-                    return;
-                }
-            }
             let detail = attempt.reason.clone().unwrap_or_default();
             let sent = node
                 .send(Command::Ran {
@@ -462,7 +467,10 @@ fn stage_of(a: &Attempt) -> RunStage {
 }
 
 /// The executor's attempt for a request id, if it has one.
-fn attempt_for(ex: &ExecutorHandle, request_id: &str) -> Result<Option<Attempt>, ExecError> {
+pub(super) fn attempt_for(
+    ex: &ExecutorHandle,
+    request_id: &str,
+) -> Result<Option<Attempt>, ExecError> {
     Ok(ex
         .attempts()?
         .into_iter()
@@ -508,6 +516,7 @@ fn carry_out(ex: &ExecutorHandle, order: RunOrder, packages: Option<Staged>) {
                             .as_ref()
                             .map_or_else(Vec::new, |g| crate::group::Groups::environment(key.2, g)),
                         loopback: group.is_some(),
+                        hold: group.is_some(),
                     };
                     ex.submit(request).map(|a| {
                         if a.refused {

@@ -373,21 +373,7 @@ max_size = "1KiB"
     )
     .unwrap();
     super::testnet::wait_for_workers(requester, 3);
-    let o = cannabis(
-        requester,
-        &[
-            "job",
-            "submit",
-            work.join("job.toml").to_str().unwrap(),
-            "--yes",
-            "--json",
-        ],
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["job_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = super::settle::submit_file(requester, &work.join("job.toml"));
     let running = wait_job(requester, &id, "the work to run", 60, |j| {
         j.tasks[0].ranks.first().is_some_and(|r| {
             r.progress

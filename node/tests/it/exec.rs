@@ -119,6 +119,7 @@ fn request(id: &str, task: TaskSpec, bundle: Option<PathBuf>) -> AttemptRequest 
         renewal: Renewal::Local,
         env: Vec::new(),
         loopback: false,
+        hold: false,
     }
 }
 
@@ -333,6 +334,59 @@ fn a_callers_environment_reaches_the_workload_but_cannot_replace_the_executors()
     }
 }
 
+/// Waits until the held attempt `id` has its sandbox (a monitor pid), still preparing.
+fn wait_held(ex: &Executor, id: &str) -> Attempt {
+    for _ in 0..500 {
+        let a = ex.get(id).unwrap();
+        if a.monitor_pid.is_some() || a.state.is_final() {
+            return a;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("attempt {id} never got its sandbox");
+}
+
+#[test]
+fn a_held_sandbox_starts_only_when_released_and_one_stopped_while_held_never_starts() {
+    let s = setup();
+    let mut req = script_request(s.dir.path(), "held", "echo started\n");
+    req.hold = true;
+    let a = s.ex.submit(req).unwrap();
+    let held = wait_held(&s.ex, &a.id);
+    assert_eq!(held.state, AttemptState::Preparing, "{held:#?}");
+    std::thread::sleep(Duration::from_millis(500));
+    let still = s.ex.get(&a.id).unwrap();
+    assert_eq!(
+        still.state,
+        AttemptState::Preparing,
+        "it started unreleased"
+    );
+    assert_eq!(
+        read_all(&s.ex, &a.id, "stdout"),
+        "",
+        "the command ran unreleased"
+    );
+    s.ex.release(&a.id).unwrap();
+    let a = s.ex.wait(&a.id, Duration::from_secs(60)).unwrap();
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?}");
+    assert_eq!(read_all(&s.ex, &a.id, "stdout"), "started\n");
+
+    let mut req = script_request(s.dir.path(), "held-stopped", "echo started\n");
+    req.hold = true;
+    let a = s.ex.submit(req).unwrap();
+    wait_held(&s.ex, &a.id);
+    s.ex.stop(&a.id, "gang start: rank 1 not ready within 120 s")
+        .unwrap();
+    let a = s.ex.wait(&a.id, Duration::from_secs(60)).unwrap();
+    assert_eq!(a.state, AttemptState::Cancelled, "{a:#?}");
+    let reason = a.reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("stopped while held") && reason.contains("rank 1 not ready"),
+        "{reason}"
+    );
+    assert!(!a.exit.as_ref().is_some_and(|e| e.started), "{a:#?}");
+}
+
 #[test]
 fn a_loopback_sandbox_has_tcp_on_its_own_loopback_and_no_other_interface() {
     if !has_python() {
@@ -354,6 +408,7 @@ fn a_loopback_sandbox_has_tcp_on_its_own_loopback_and_no_other_interface() {
             "import socket\n",
             "names = [l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:]]\n",
             "print('interfaces', sorted(names))\n",
+            "print('ifnames', sorted(n for _, n in socket.if_nameindex()))\n",
             "srv = socket.socket(); srv.bind(('127.0.0.1', 29500)); srv.listen(1)\n",
             "c = socket.create_connection(('127.0.0.1', 29500)); a, _ = srv.accept()\n",
             "c.sendall(b'ping'); print('tcp', a.recv(4).decode())\n",
@@ -369,6 +424,8 @@ fn a_loopback_sandbox_has_tcp_on_its_own_loopback_and_no_other_interface() {
     let out = read_all(&s.ex, &a.id, "stdout");
     let err = read_all(&s.ex, &a.id, "stderr");
     assert!(out.contains("interfaces ['lo']"), "{out}{err}");
+    // Routing netlink (how a program lists its interfaces) works there too.
+    assert!(out.contains("ifnames ['lo']"), "{out}{err}");
     assert!(out.contains("tcp ping"), "{out}");
     assert!(out.contains("refused raw"), "{out}");
 }

@@ -152,6 +152,7 @@ fn submit(dir: &Path, id: &str, script: &str) -> Attempt {
         renewal: Renewal::Local,
         env: Vec::new(),
         loopback: false,
+        hold: false,
     };
     client(dir).post("/v1/exec/attempts", &request).unwrap()
 }

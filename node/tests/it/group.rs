@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use futures::{AsyncReadExt as _, AsyncWriteExt as _, StreamExt as _};
-use libp2p::{Multiaddr, PeerId, StreamProtocol, identity, noise, tcp, yamux};
+use libp2p::{Multiaddr, PeerId, identity, noise, tcp, yamux};
 
-use super::settle::{cannabis, client, wait_job};
+use super::settle::{client, wait_job};
 use super::testnet::{Testnet, wait_for_workers};
 
 const JOB: &str = r#"
@@ -85,9 +85,36 @@ else:
             if time.time() > deadline:
                 raise
             time.sleep(0.3)
+names = sorted(n for _, n in socket.if_nameindex())
 with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
-    f.write(f"rank {rank} of {world}: {total}\n")
+    f.write(f"rank {rank} of {world}: {total} over {names}\n")
 "#;
+
+/// A testnet of `nodes` real processes whose node 0 submits `job`, the bundle holding
+/// `program` as `allreduce.py`: the testnet (stopped when dropped) and the job's id.
+fn submit_group(dir: &std::path::Path, nodes: u32, job: &str, program: &str) -> (Testnet, String) {
+    let net = Testnet::up(&dir.join("net"), nodes);
+    let requester = net.nodes()[0].clone();
+    let work = dir.join("job");
+    std::fs::create_dir_all(&work).unwrap();
+    super::delivery::tar(&work, &[("allreduce.py", program)]);
+    std::fs::write(work.join("job.toml"), job).unwrap();
+    wait_for_workers(&requester, nodes as usize);
+    let id = super::settle::submit_file(&requester, &work.join("job.toml"));
+    (net, id)
+}
+
+/// Each rank's `sum.txt` as delivered, sorted.
+fn sums(done: &cannabis_api::JobDetail) -> Vec<String> {
+    let mut sums: Vec<String> = done.tasks[0]
+        .delivered
+        .iter()
+        .filter(|o| o.name == "sum.txt" && o.fetched)
+        .map(|o| std::fs::read_to_string(&o.path).unwrap().trim().to_string())
+        .collect();
+    sums.sort();
+    sums
+}
 
 #[test]
 fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
@@ -97,29 +124,9 @@ fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
     }
     let dir = super::exec::open_dir();
     // Node 0 (a quarter of the machine: no whole core) publishes; 1 to 3 work.
-    let net = Testnet::up(&dir.path().join("net"), 4);
+    let (net, id) = submit_group(dir.path(), 4, JOB, PROGRAM);
     let nodes = net.nodes();
     let requester = &nodes[0];
-    let work = dir.path().join("job");
-    std::fs::create_dir_all(&work).unwrap();
-    super::delivery::tar(&work, &[("allreduce.py", PROGRAM)]);
-    std::fs::write(work.join("job.toml"), JOB).unwrap();
-    wait_for_workers(requester, 4);
-    let o = cannabis(
-        requester,
-        &[
-            "job",
-            "submit",
-            work.join("job.toml").to_str().unwrap(),
-            "--yes",
-            "--json",
-        ],
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["job_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
 
     // While rank 0 still serves: a stranger (a fresh key, not in the roster) opens a
     // group stream to rank 0's node naming the group attempt, as rank 1.
@@ -190,16 +197,13 @@ fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
         "{:#?}",
         done.history
     );
-    let mut sums: Vec<String> = done.tasks[0]
-        .delivered
-        .iter()
-        .filter(|o| o.name == "sum.txt" && o.fetched)
-        .map(|o| std::fs::read_to_string(&o.path).unwrap().trim().to_string())
-        .collect();
-    sums.sort();
     assert_eq!(
-        sums,
-        ["rank 0 of 3: 60", "rank 1 of 3: 60", "rank 2 of 3: 60"],
+        sums(&done),
+        [
+            "rank 0 of 3: 60 over ['cnb0', 'lo']",
+            "rank 1 of 3: 60 over ['cnb0', 'lo']",
+            "rank 2 of 3: 60 over ['cnb0', 'lo']"
+        ],
         "each rank's output"
     );
     // The stranger's try is in rank 0's node's log, refused.
@@ -242,7 +246,7 @@ async fn stranger(
     });
     let mut stream = tokio::time::timeout(
         Duration::from_secs(10),
-        control.open_stream(target, StreamProtocol::new("/cannabis/group/1")),
+        control.open_stream(target, cannabis_node::group::GROUP_PROTOCOL),
     )
     .await
     .expect("opening the stream timed out")
@@ -252,7 +256,6 @@ async fn stranger(
         epoch,
         from: 1,
         to: 0,
-        port: 29_500,
     }
     .encode();
     let mut frame = (opening.len() as u16).to_be_bytes().to_vec();
@@ -265,4 +268,93 @@ async fn stranger(
     let mut back = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut back)).await;
     back.len()
+}
+
+const TORCH_JOB: &str = r#"
+name = "torch-all-reduce"
+deadline = "10m"
+bid_window = "5s"
+
+[early]
+first_bids = 2
+
+[[task]]
+name = "sum"
+budget = 900_000
+group_size = 2
+[task.workload]
+adapter = "torchrun"
+bundle = "bundle.tar"
+entrypoint = ["allreduce.py"]
+[task.resources]
+cpu = 1
+memory = "2GiB"
+storage = "64MiB"
+[[task.outputs]]
+name = "sum.txt"
+max_size = "1KiB"
+"#;
+
+/// A gloo all-reduce with PyTorch itself: the store at rank 0 and gloo's own connections
+/// between the ranks both go through the group's channel.
+const TORCH_PROGRAM: &str = r#"
+import os, torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+small = torch.tensor([10.0 * (rank + 1)])
+dist.all_reduce(small)
+big = torch.ones(1 << 20) * (rank + 1)
+dist.all_reduce(big)
+with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
+    f.write(f"rank {rank} of {world}: {small.item():.0f} {big.sum().item():.0f}\n")
+dist.destroy_process_group()
+"#;
+
+/// Whether the machine's Python has PyTorch with gloo (what the sandbox's `torchrun`
+/// runs).
+fn has_torch() -> bool {
+    cannabis_runtime::exec::torchrun_installed()
+        && std::process::Command::new("/usr/bin/python3")
+            .args([
+                "-c",
+                "import torch.distributed as d; assert d.is_gloo_available()",
+            ])
+            .output()
+            .is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn two_ranks_all_reduce_with_torchrun_and_gloo_through_the_channel() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: requesters' programs run only where the executor is root");
+        return;
+    }
+    if !has_torch() {
+        eprintln!("skipped: PyTorch (torchrun, gloo) is not installed (Debian: python3-torch)");
+        return;
+    }
+    let dir = super::exec::open_dir();
+    let (net, id) = submit_group(dir.path(), 3, TORCH_JOB, TORCH_PROGRAM);
+    let nodes = net.nodes();
+    let requester = &nodes[0];
+    let done = wait_job(requester, &id, 240, "the job to finish", |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+    });
+    let logs: String = nodes
+        .iter()
+        .map(|n| std::fs::read_to_string(n.join("node.log")).unwrap_or_default())
+        .collect();
+    assert_eq!(
+        done.summary.state,
+        cannabis_market::job::JobState::Completed,
+        "{:#?}\n{}",
+        done.history,
+        &logs[logs.len().saturating_sub(20_000)..]
+    );
+    assert_eq!(
+        sums(&done),
+        ["rank 0 of 2: 30 3145728", "rank 1 of 2: 30 3145728"],
+        "each rank's output"
+    );
 }

@@ -26,6 +26,19 @@ pub(crate) fn cannabis(data_dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// Submits the job file at `job` from the node at `requester`, confirmed; its id.
+pub(crate) fn submit_file(requester: &Path, job: &Path) -> String {
+    let o = cannabis(
+        requester,
+        &["job", "submit", job.to_str().unwrap(), "--yes", "--json"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 pub(crate) fn client(dir: &Path) -> ApiClient {
     ApiClient::from_data_dir(dir).unwrap()
 }
@@ -61,13 +74,7 @@ storage = "16MiB"
 fn submit(node: &Path, dir: &Path, name: &str, file: &str) -> String {
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, file).unwrap();
-    let o = cannabis(
-        node,
-        &["job", "submit", path.to_str().unwrap(), "--yes", "--json"],
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let published: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    published["job_id"].as_str().unwrap().to_string()
+    submit_file(node, &path)
 }
 
 /// Waits up to `secs` for `what` to hold of the job (as `node` sees it).

@@ -42,7 +42,7 @@ pub(crate) fn adapter(kind: AdapterKind) -> Option<&'static dyn Adapter> {
     match kind {
         AdapterKind::Process => Some(&Process),
         AdapterKind::Synthetic => Some(&Synthetic),
-        AdapterKind::Torchrun => None,
+        AdapterKind::Torchrun => Some(&Torchrun),
     }
 }
 
@@ -106,6 +106,110 @@ impl Adapter for Process {
     fn command(&self, request: &AttemptRequest) -> Result<Command, String> {
         Ok(Command {
             argv: request.task.workload.entrypoint.clone(),
+            cwd: paths::BUNDLE.into(),
+            outputs: request
+                .task
+                .outputs
+                .iter()
+                .map(|o| (o.name.clone(), o.max_bytes))
+                .collect(),
+        })
+    }
+
+    fn interpret(&self, _: &AttemptRequest, _: &Path) -> Result<Option<SyntheticResult>, String> {
+        Ok(None)
+    }
+}
+
+/// Where the sandbox looks for `torchrun` (its `PATH`, whose directories it binds from
+/// the host read-only).
+const TORCHRUN: &[&str] = &["/usr/local/bin/torchrun", "/usr/bin/torchrun"];
+
+/// Whether this machine has `torchrun` where a sandbox finds it: only then does the
+/// executor take `torchrun` work.
+pub fn torchrun_installed() -> bool {
+    TORCHRUN.iter().any(|p| Path::new(p).is_file())
+}
+
+/// One rank of a PyTorch job started with `torchrun`, one process per node: the bundle
+/// holds the training script, `entrypoint` is the script and its arguments (as torchrun
+/// takes them). The rank, the group's size and rank 0's rendezvous come from the
+/// environment the node sets for a group's rank (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+/// `MASTER_PORT`); without them it is a group of one on the sandbox's loopback. The
+/// rendezvous is torchrun's static one (rank 0's agent hosts the store the workers share);
+/// torchrun restarts nothing itself (the task's terms decide restarts), and its logs go to
+/// `$TMPDIR/torchrun`, inside the work directory.
+struct Torchrun;
+
+impl Adapter for Torchrun {
+    fn isolation(&self) -> &'static [IsolationLayer] {
+        PROCESS_LAYERS
+    }
+
+    fn check(&self, request: &AttemptRequest) -> Result<(), String> {
+        if request.task.workload.entrypoint.is_empty() {
+            return Err(
+                "the torchrun adapter needs an entrypoint: the training script and its arguments"
+                    .into(),
+            );
+        }
+        if request.bundle.is_none() {
+            return Err("the torchrun adapter needs the program bundle".into());
+        }
+        Ok(())
+    }
+
+    fn needs_bundle(&self) -> bool {
+        true
+    }
+
+    fn command(&self, request: &AttemptRequest) -> Result<Command, String> {
+        let env = |name: &str| {
+            request
+                .env
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        let world = env("WORLD_SIZE").unwrap_or_else(|| "1".into());
+        let rank = env("RANK").unwrap_or_else(|| "0".into());
+        for (name, v) in [("WORLD_SIZE", &world), ("RANK", &rank)] {
+            v.parse::<u32>()
+                .map_err(|_| format!("{name} {v:?} is not a number"))?;
+        }
+        let master = env("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let port = env("MASTER_PORT").unwrap_or_else(|| "29500".into());
+        let mut argv: Vec<String> = [
+            "torchrun",
+            "--nnodes",
+            &world,
+            "--node_rank",
+            &rank,
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            "static",
+            "--master_addr",
+            &master,
+            "--master_port",
+            &port,
+            "--max_restarts",
+            "0",
+            // Python 3.11's torchrun needs its workers' output redirected to files (and
+            // copied to its own) to run at all.
+            "--redirects",
+            "1",
+            "--tee",
+            "1",
+            "--log_dir",
+            "/tmp/torchrun",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        argv.extend(request.task.workload.entrypoint.iter().cloned());
+        Ok(Command {
+            argv,
             cwd: paths::BUNDLE.into(),
             outputs: request
                 .task

@@ -37,6 +37,12 @@ pub struct AttemptRequest {
     /// rank, which reaches the others there through its node).
     #[serde(default)]
     pub loopback: bool,
+    /// Whether the sandbox, once made and checked, waits for [`crate::exec::Executor::release`]
+    /// before its command starts (a group's rank: its node connects the sandbox to the
+    /// group, and all ranks start together). A held attempt stopped, or whose lease ends,
+    /// never starts.
+    #[serde(default)]
+    pub hold: bool,
 }
 
 /// Who keeps an attempt's lease current.
@@ -159,8 +165,11 @@ pub struct Attempt {
     pub cancel: Option<(u64, String)>,
     /// Layers the host saw in effect on the running sandbox.
     pub layers: Vec<IsolationLayer>,
-    /// Host pid of the sandbox's monitor, once started.
+    /// Host pid of the sandbox's monitor, once started (a held attempt's, while it waits).
     pub monitor_pid: Option<u32>,
+    /// A held attempt was released: its command may start.
+    #[serde(default)]
+    pub released: bool,
     /// What the sandbox observed.
     pub exit: Option<ExitRecord>,
     /// What the attempt's processes used, read from its cgroups when it ended.
@@ -318,6 +327,7 @@ pub(crate) mod tests {
                 renewal: Renewal::Local,
                 env: Vec::new(),
                 loopback: false,
+                hold: false,
             },
             state: AttemptState::Reserved,
             refused: false,
@@ -327,6 +337,7 @@ pub(crate) mod tests {
             cancel: None,
             layers: vec![],
             monitor_pid: None,
+            released: false,
             exit: None,
             usage: None,
             result: None,

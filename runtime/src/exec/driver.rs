@@ -261,8 +261,21 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
             super::layer_name(*missing)
         ));
     }
-    let now = now_ms();
     let monitor_pid = launch.monitor_pid();
+    if request.hold {
+        let held = inner
+            .update(&a.id, |a| {
+                a.monitor_pid = Some(monitor_pid);
+                Ok(())
+            })
+            .map_err(|e| e.to_string())
+            .and_then(|()| hold(inner, &a.id));
+        if let Err(e) = held {
+            launch.abort();
+            return Err(e);
+        }
+    }
+    let now = now_ms();
     let running = inner.update(&a.id, |a| {
         a.monitor_pid = Some(monitor_pid);
         a.to_running(now, check.layers.clone())
@@ -278,6 +291,35 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         eprintln!("executor: attempt {}: starting the command: {e}", a.id);
     }
     Ok(())
+}
+
+/// How often a held attempt looks whether it was released.
+const HOLD_POLL: Duration = Duration::from_millis(20);
+
+/// Waits, with the sandbox made and its command not started, until the attempt is
+/// released; an error if it is stopped, its lease ends or the executor shuts down first.
+fn hold(inner: &Inner, id: &str) -> Result<(), String> {
+    loop {
+        if inner.shutdown.load(Ordering::SeqCst) {
+            return Err("the executor shut down before the held command started".into());
+        }
+        let a = inner
+            .lock()
+            .attempts
+            .get(id)
+            .cloned()
+            .ok_or("the attempt is gone")?;
+        if let Some((_, why)) = &a.cancel {
+            return Err(format!("stopped while held before its start: {why}"));
+        }
+        if a.released {
+            return Ok(());
+        }
+        if now_ms() > a.lease_until_ms {
+            return Err("the lease expired while the command was held before its start".into());
+        }
+        std::thread::sleep(HOLD_POLL);
+    }
 }
 
 /// Watches a running attempt until its outcome is known.

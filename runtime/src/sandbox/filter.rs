@@ -207,8 +207,8 @@ pub(super) fn prepare_seccomp() {
 }
 
 /// Installs the filter: the calls in [`DENIED`] and every x32 call get `EPERM`; so do
-/// `socket` for every family but `AF_UNIX` (and, with `loopback`, `AF_INET` and
-/// `AF_INET6`) and `clone` with any namespace flag; `clone3` (whose flags live in memory
+/// `socket` for every family but `AF_UNIX` (and, with `loopback`, `AF_INET`, `AF_INET6`
+/// and routing netlink) and `clone` with any namespace flag; `clone3` (whose flags live in memory
 /// a filter cannot read) gets `ENOSYS`, so that the C library falls back to `clone`. A
 /// call from another architecture kills the process.
 pub(super) fn seccomp(loopback: bool) -> R<()> {
@@ -239,6 +239,7 @@ fn compile(loopback: bool) -> R<seccompiler::BpfProgram> {
     const NR: u32 = 0;
     const ARCH_OFFSET: u32 = 4;
     const ARG0_LOW: u32 = 16;
+    const ARG2_LOW: u32 = 32;
     let nr = |call: i64| u32::try_from(call).map_err(|_| format!("call number {call}"));
     let namespaces = NAMESPACE_FLAGS
         .iter()
@@ -261,6 +262,7 @@ fn compile(loopback: bool) -> R<seccompiler::BpfProgram> {
         Deny,
         Allow,
         Socket,
+        Netlink,
         Clone,
         Clone3,
         Kill,
@@ -289,8 +291,20 @@ fn compile(loopback: bool) -> R<seccompiler::BpfProgram> {
             let family = u32::try_from(family).unwrap_or(u32::MAX);
             ops.push(Op::Jump(jeq, family, Label::Allow));
         }
+        let netlink = u32::try_from(libc::AF_NETLINK).unwrap_or(u32::MAX);
+        ops.push(Op::Jump(jeq, netlink, Label::Netlink));
     }
     ops.push(Op::Ret(errno(libc::EPERM)));
+    if loopback {
+        // Routing netlink only: how a program lists its interfaces and addresses
+        // (`getifaddrs`); without capabilities it changes nothing. Not the other netlink
+        // families (the kernel's device events among them).
+        ops.push(Op::Mark(Label::Netlink));
+        ops.push(Op::Load(ARG2_LOW));
+        let route = u32::try_from(libc::NETLINK_ROUTE).unwrap_or(u32::MAX);
+        ops.push(Op::Jump(jeq, route, Label::Allow));
+        ops.push(Op::Ret(errno(libc::EPERM)));
+    }
     ops.push(Op::Mark(Label::Clone));
     ops.push(Op::Load(ARG0_LOW));
     ops.push(Op::Jump(

@@ -540,9 +540,9 @@ fn make_network_namespace() -> bool {
 }
 
 /// Brings up the new namespace's loopback interface (down in a new namespace): the
-/// sandbox then has `127.0.0.1` and `::1` to itself and no other interface. A group's
-/// ranks meet there: the node forwards the group's channel to and from ports on it
-/// (`cannabis_node::group`), and nothing outside the sandbox can reach them.
+/// sandbox then has `127.0.0.1` and `::1` to itself. A group's rank also gets the group's
+/// interface there, made by its node (`cannabis_runtime::groupnet`); others get nothing
+/// more.
 fn loopback_up() -> Result<(), nix::Error> {
     use std::os::fd::AsRawFd as _;
     let sock = nix::sys::socket::socket(

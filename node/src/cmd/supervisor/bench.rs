@@ -217,5 +217,6 @@ fn request(id: &str, bundle: &Path, digest: Digest) -> AttemptRequest {
         renewal: Renewal::Local,
         env: Vec::new(),
         loopback: false,
+        hold: false,
     }
 }
