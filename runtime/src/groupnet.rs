@@ -72,12 +72,7 @@ pub fn make_interface(ns: &File, rank: u32, mtu: u32) -> io::Result<OwnedFd> {
             .custom_flags(libc::O_NONBLOCK)
             .open("/dev/net/tun")
             .map_err(|e| io::Error::new(e.kind(), format!("/dev/net/tun: {e}")))?;
-        let sock = nix::sys::socket::socket(
-            nix::sys::socket::AddressFamily::Inet,
-            nix::sys::socket::SockType::Datagram,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-            None,
-        )?;
+        let sock = config_socket()?;
         let netmask = Ipv4Addr::from(u32::MAX << (32 - PREFIX));
         // SAFETY: `ifreq` is plain data (zeroes are a valid value); the name is
         // NUL-terminated within its 16 bytes; each ioctl reads (and SIOCGIFFLAGS writes)
@@ -111,6 +106,16 @@ pub fn make_interface(ns: &File, rank: u32, mtu: u32) -> io::Result<OwnedFd> {
         );
         Ok(OwnedFd::from(tun))
     })
+}
+
+/// A socket whose ioctls configure the current network namespace's interfaces.
+pub(crate) fn config_socket() -> nix::Result<OwnedFd> {
+    nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
 }
 
 /// `sockaddr_in` for `addr`, as the `sockaddr` an `ifreq` holds.

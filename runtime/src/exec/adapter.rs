@@ -107,12 +107,7 @@ impl Adapter for Process {
         Ok(Command {
             argv: request.task.workload.entrypoint.clone(),
             cwd: paths::BUNDLE.into(),
-            outputs: request
-                .task
-                .outputs
-                .iter()
-                .map(|o| (o.name.clone(), o.max_bytes))
-                .collect(),
+            outputs: declared_outputs(request),
         })
     }
 
@@ -211,18 +206,23 @@ impl Adapter for Torchrun {
         Ok(Command {
             argv,
             cwd: paths::BUNDLE.into(),
-            outputs: request
-                .task
-                .outputs
-                .iter()
-                .map(|o| (o.name.clone(), o.max_bytes))
-                .collect(),
+            outputs: declared_outputs(request),
         })
     }
 
     fn interpret(&self, _: &AttemptRequest, _: &Path) -> Result<Option<SyntheticResult>, String> {
         Ok(None)
     }
+}
+
+/// The task's declared outputs with their size caps.
+fn declared_outputs(request: &AttemptRequest) -> Vec<(String, u64)> {
+    request
+        .task
+        .outputs
+        .iter()
+        .map(|o| (o.name.clone(), o.max_bytes))
+        .collect()
 }
 
 /// The synthetic proof-of-compute task ([`cannabis_protocol::synthetic`]): this binary,

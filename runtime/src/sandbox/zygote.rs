@@ -545,12 +545,7 @@ fn make_network_namespace() -> bool {
 /// more.
 fn loopback_up() -> Result<(), nix::Error> {
     use std::os::fd::AsRawFd as _;
-    let sock = nix::sys::socket::socket(
-        nix::sys::socket::AddressFamily::Inet,
-        nix::sys::socket::SockType::Datagram,
-        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
+    let sock = crate::groupnet::config_socket()?;
     // SAFETY: `ifreq` is plain data (zeroes are a valid value); the name is NUL-terminated
     // within its 16 bytes; both ioctls read and write only the `ifreq` passed, on a socket
     // this function owns.
