@@ -524,6 +524,7 @@ mod tests {
 
     fn task() -> TaskSpec {
         TaskSpec {
+            restarts: 0,
             name: "t".into(),
             workload: Workload {
                 adapter: AdapterKind::Process,

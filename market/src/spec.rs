@@ -245,6 +245,8 @@ struct RawTask {
     #[serde(default = "one")]
     group_size: u32,
     #[serde(default)]
+    restarts: u32,
+    #[serde(default)]
     depends_on: Vec<String>,
     workload: RawWorkload,
     #[serde(default)]
@@ -783,6 +785,12 @@ fn check_task(
     if t.group_size == 0 {
         return Err(err(f("group_size"), "must be at least 1"));
     }
+    if t.restarts > cannabis_protocol::MAX_RESTARTS {
+        return Err(err(
+            f("restarts"),
+            format!("at most {}", cannabis_protocol::MAX_RESTARTS),
+        ));
+    }
     let budget = match (t.budget, job_budget) {
         (Some(b), _) => b,
         (None, Some(b)) if task_count == 1 => b,
@@ -1030,6 +1038,7 @@ fn check_task(
             group_size: t.group_size,
             depends_on,
             budget: Amount(budget),
+            restarts: t.restarts,
         },
         bundle,
         inputs: sources,

@@ -139,6 +139,7 @@ pub fn task(
     budget: u64,
 ) -> TaskSpec {
     TaskSpec {
+        restarts: 0,
         name: name.into(),
         workload: Workload {
             adapter: AdapterKind::Synthetic,

@@ -332,6 +332,18 @@ pub(crate) enum ExecCommand {
         #[arg(long)]
         product: Option<PathBuf>,
     },
+    /// A rank's command under its restart budget (what the sandbox runs for a task that
+    /// allows restarts): every rank restarts when one fails, in rounds, until the budget
+    /// is spent. Reads RANK, WORLD_SIZE and MASTER_ADDR (a group of one without them).
+    #[command(hide = true)]
+    Rank {
+        /// Restarts allowed after the first round.
+        #[arg(long)]
+        restarts: u32,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
 }
 
 #[derive(Debug, Args)]

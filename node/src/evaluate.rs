@@ -253,6 +253,7 @@ fn run(
     }
     let executor = executor.map_err(|e| not(format!("this node cannot run the evaluator: {e}")))?;
     let task = TaskSpec {
+        restarts: 0,
         name: "evaluate".into(),
         workload: Workload {
             adapter: AdapterKind::Process,

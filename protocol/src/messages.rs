@@ -39,8 +39,8 @@ pub use market::{
     RunStage,
 };
 pub use offer::{
-    AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_GROUP_SIZE, MAX_TASKS, OutputDecl,
-    OutputRights, Requirements, Resources, RuntimeRequirement, SYNTHETIC_DEFAULT_N,
+    AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_GROUP_SIZE, MAX_RESTARTS, MAX_TASKS,
+    OutputDecl, OutputRights, Requirements, Resources, RuntimeRequirement, SYNTHETIC_DEFAULT_N,
     SYNTHETIC_PRODUCT, SYNTHETIC_RESULT, TaskInput, TaskSpec, Workload, is_safe_name, job_id_of,
 };
 pub use transfer::{ObjectKind, ObjectRef, TRANSFER_CHUNK, TransferRequest, TransferResponse};

@@ -1179,6 +1179,7 @@ pub(crate) mod tests {
 
     pub(crate) fn task(adapter: AdapterKind) -> TaskSpec {
         TaskSpec {
+            restarts: 0,
             name: "t".into(),
             workload: Workload {
                 adapter,

@@ -12,4 +12,5 @@ pub mod exec;
 pub mod gpu;
 pub mod groupnet;
 pub mod probe;
+pub mod restart;
 pub mod sandbox;

@@ -239,6 +239,7 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
         name: None,
         nonce: None,
         tasks: vec![TaskSpec {
+            restarts: 0,
             name: format!("bench-{k}"),
             workload: Workload {
                 adapter: AdapterKind::Synthetic,

@@ -290,6 +290,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
         name: Some("demo".into()),
         nonce: None,
         tasks: vec![TaskSpec {
+            restarts: 0,
             name: "proof-of-compute".into(),
             workload: Workload {
                 adapter: AdapterKind::Synthetic,

@@ -51,6 +51,23 @@ pub(super) fn run(
                 .with_context(|| format!("writing {}", out.display()))?;
             Ok(())
         }
+        ExecCommand::Rank { restarts, command } => {
+            let var = |name: &str| std::env::var(name).ok();
+            let number = |name: &str, default: u32| -> anyhow::Result<u32> {
+                var(name).map_or(Ok(default), |v| {
+                    v.parse()
+                        .with_context(|| format!("{name} {v:?} is not a number"))
+                })
+            };
+            let ranks = cannabis_runtime::restart::Ranks {
+                rank: number("RANK", 0)?,
+                world: number("WORLD_SIZE", 1)?,
+                master: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+                restarts,
+                command,
+            };
+            std::process::exit(cannabis_runtime::restart::supervise(&ranks))
+        }
     }
 }
 

@@ -64,6 +64,7 @@ fn now_ms() -> u64 {
 
 fn task(adapter: AdapterKind, entrypoint: &[&str]) -> TaskSpec {
     TaskSpec {
+        restarts: 0,
         name: "t".into(),
         workload: Workload {
             adapter,

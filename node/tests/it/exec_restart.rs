@@ -124,6 +124,7 @@ fn submit(dir: &Path, id: &str, script: &str) -> Attempt {
     let request = AttemptRequest {
         request_id: id.into(),
         task: TaskSpec {
+            restarts: 0,
             name: "t".into(),
             workload: Workload {
                 adapter: AdapterKind::Process,

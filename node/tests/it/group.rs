@@ -35,16 +35,12 @@ name = "sum.txt"
 max_size = "1KiB"
 "#;
 
-/// A sum all-reduce over rank 0's rendezvous, with nothing but Python's standard library
-/// and the environment torchrun sets: each rank sends its value to rank 0, which sends
-/// back the sum. A rank whose connection ends early (rank 0 not serving yet) tries again.
-/// Rank 0 then holds its service open a little, for the stranger.
-const PROGRAM: &str = r#"
+/// A sum all-reduce over rank 0's rendezvous (this round's `MASTER_PORT`), with nothing but
+/// Python's standard library and the environment torchrun sets: each rank sends its value
+/// to rank 0, which sends back the sum. A rank whose connection ends early (rank 0 not
+/// serving yet) tries again. Rank 0 then holds its service open for `hold` seconds.
+const SUM: &str = r#"
 import os, socket, time
-
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-value = 10 * (rank + 1)
 
 def exactly(s, n):
     b = b""
@@ -55,36 +51,48 @@ def exactly(s, n):
         b += chunk
     return b
 
-if rank == 0:
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((addr, port))
-    srv.listen(16)
-    total, peers = value, []
-    while len(peers) < world - 1:
-        c, _ = srv.accept()
-        c.settimeout(60)
-        try:
-            total += int.from_bytes(exactly(c, 8), "big")
-            peers.append(c)
-        except OSError:
+def all_reduce_sum(value, hold=0):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((addr, port))
+        srv.listen(16)
+        total, peers = value, []
+        while len(peers) < world - 1:
+            c, _ = srv.accept()
+            c.settimeout(60)
+            try:
+                total += int.from_bytes(exactly(c, 8), "big")
+                peers.append(c)
+            except OSError:
+                c.close()
+        for c in peers:
+            c.sendall(total.to_bytes(8, "big"))
             c.close()
-    for c in peers:
-        c.sendall(total.to_bytes(8, "big"))
-        c.close()
-    time.sleep(8)
-else:
+        time.sleep(hold)
+        return total
     deadline = time.time() + 120
     while True:
         try:
             s = socket.create_connection((addr, port), timeout=10)
             s.sendall(value.to_bytes(8, "big"))
-            total = int.from_bytes(exactly(s, 8), "big")
-            break
+            return int.from_bytes(exactly(s, 8), "big")
         except OSError:
             if time.time() > deadline:
                 raise
             time.sleep(0.3)
+"#;
+
+/// Each rank's value is 10 times its rank plus one; rank 0 holds its service open a
+/// little, for the stranger. Each rank also lists its interfaces.
+const PROGRAM: &str = r#"
+import os, socket
+from sum import all_reduce_sum
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+total = all_reduce_sum(10 * (rank + 1), hold=8)
 names = sorted(n for _, n in socket.if_nameindex())
 with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
     f.write(f"rank {rank} of {world}: {total} over {names}\n")
@@ -95,13 +103,23 @@ with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
 fn submit_group(dir: &std::path::Path, nodes: u32, job: &str, program: &str) -> (Testnet, String) {
     let net = Testnet::up(&dir.join("net"), nodes);
     let requester = net.nodes()[0].clone();
-    let work = dir.join("job");
-    std::fs::create_dir_all(&work).unwrap();
-    super::delivery::tar(&work, &[("allreduce.py", program)]);
-    std::fs::write(work.join("job.toml"), job).unwrap();
     wait_for_workers(&requester, nodes as usize);
-    let id = super::settle::submit_file(&requester, &work.join("job.toml"));
+    let id = submit_bundle(&requester, &dir.join("job"), job, program);
     (net, id)
+}
+
+/// Submits `job` from `requester`, its bundle holding `program` as `allreduce.py` (and
+/// [`SUM`] as `sum.py`), made in `work`: the job's id.
+fn submit_bundle(
+    requester: &std::path::Path,
+    work: &std::path::Path,
+    job: &str,
+    program: &str,
+) -> String {
+    std::fs::create_dir_all(work).unwrap();
+    super::delivery::tar(work, &[("allreduce.py", program), ("sum.py", SUM)]);
+    std::fs::write(work.join("job.toml"), job).unwrap();
+    super::settle::submit_file(requester, &work.join("job.toml"))
 }
 
 /// Each rank's `sum.txt` as delivered, sorted.
@@ -282,6 +300,7 @@ first_bids = 2
 name = "sum"
 budget = 900_000
 group_size = 2
+restarts = 1
 [task.workload]
 adapter = "torchrun"
 bundle = "bundle.tar"
@@ -296,18 +315,23 @@ max_size = "1KiB"
 "#;
 
 /// A gloo all-reduce with PyTorch itself: the store at rank 0 and gloo's own connections
-/// between the ranks both go through the group's channel.
+/// between the ranks both go through the group's channel. Rank 1's worker is killed in
+/// the first round, after a first all-reduce: torchrun ends, and both ranks start again
+/// under the task's restart budget (torchrun's port then comes from `PET_MASTER_PORT`).
 const TORCH_PROGRAM: &str = r#"
 import os, torch, torch.distributed as dist
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+restart = int(os.environ["CANNABIS_RESTART"])
 small = torch.tensor([10.0 * (rank + 1)])
 dist.all_reduce(small)
+if rank == 1 and restart == 0:
+    os.kill(os.getpid(), 9)
 big = torch.ones(1 << 20) * (rank + 1)
 dist.all_reduce(big)
 with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
-    f.write(f"rank {rank} of {world}: {small.item():.0f} {big.sum().item():.0f}\n")
+    f.write(f"rank {rank} of {world}, round {restart}: {small.item():.0f} {big.sum().item():.0f}\n")
 dist.destroy_process_group()
 "#;
 
@@ -354,7 +378,126 @@ fn two_ranks_all_reduce_with_torchrun_and_gloo_through_the_channel() {
     );
     assert_eq!(
         sums(&done),
-        ["rank 0 of 2: 30 3145728", "rank 1 of 2: 30 3145728"],
+        [
+            "rank 0 of 2, round 1: 30 3145728",
+            "rank 1 of 2, round 1: 30 3145728"
+        ],
         "each rank's output"
+    );
+    // `job results` puts each rank's part in a folder of its own.
+    let out = dir.path().join("results");
+    let o = super::settle::cannabis(
+        requester,
+        &["job", "results", &id, "--out", out.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for rank in [0, 1] {
+        let part = std::fs::read_to_string(out.join(format!("rank-{rank}/sum.txt"))).unwrap();
+        assert!(part.starts_with(&format!("rank {rank} of 2")), "{part}");
+    }
+}
+
+/// A two-rank job that may restart once: `{mode}` is `once` (rank 1 is killed at step 3 of
+/// the first round only) or `always` (at its first step of every round).
+fn restart_job(mode: &str) -> String {
+    format!(
+        r#"
+name = "restarts-{mode}"
+deadline = "10m"
+bid_window = "5s"
+
+[early]
+first_bids = 2
+
+[[task]]
+name = "steps"
+budget = 900_000
+group_size = 2
+restarts = 1
+[task.workload]
+adapter = "process"
+bundle = "bundle.tar"
+entrypoint = ["python3", "allreduce.py", "{mode}"]
+[task.resources]
+cpu = 1
+memory = "128MiB"
+storage = "8MiB"
+[[task.outputs]]
+name = "sum.txt"
+max_size = "1KiB"
+"#
+    )
+}
+
+/// Counts to 6 steps, a checkpoint in the work directory after each; rank 1 is killed
+/// (SIGKILL) as the job file says. Then the ranks sum their steps with [`SUM`].
+const RESTART_PROGRAM: &str = r#"
+import os, sys, time
+from sum import all_reduce_sum
+
+rank = int(os.environ["RANK"])
+restart = int(os.environ["CANNABIS_RESTART"])
+work = os.environ["CANNABIS_WORK"]
+ck = os.path.join(work, "step")
+step = int(open(ck).read()) if os.path.exists(ck) else 0
+resumed = step
+while step < 6:
+    time.sleep(0.3)
+    step += 1
+    with open(ck + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(ck + ".tmp", ck)
+    if rank == 1 and (step == 3 and restart == 0 or sys.argv[1] == "always"):
+        os.kill(os.getpid(), 9)
+total = all_reduce_sum(step)
+with open(os.path.join(work, "sum.txt"), "w") as f:
+    f.write(f"rank {rank}: round {restart}, resumed at {resumed}, total {total}\n")
+"#;
+
+#[test]
+fn a_killed_rank_restarts_every_rank_from_its_checkpoint_and_past_the_budget_the_job_says_why() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: requesters' programs run only where the executor is root");
+        return;
+    }
+    let dir = super::exec::open_dir();
+    let (net, once) = submit_group(dir.path(), 3, &restart_job("once"), RESTART_PROGRAM);
+    let requester = net.nodes()[0].clone();
+    let done = wait_job(&requester, &once, 180, "the job to finish", |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+    });
+    assert_eq!(
+        done.summary.state,
+        cannabis_market::job::JobState::Completed,
+        "{:#?}",
+        done.history
+    );
+    let sums = sums(&done);
+    assert_eq!(sums.len(), 2, "{sums:?}");
+    // Rank 0 was stopped wherever it was and resumed from its own checkpoint; rank 1
+    // from the step it was killed at. Both counted to 6.
+    assert!(
+        sums[0].starts_with("rank 0: round 1, resumed at ") && sums[0].ends_with("total 12"),
+        "{sums:?}"
+    );
+    assert_eq!(sums[1], "rank 1: round 1, resumed at 3, total 12");
+
+    // Killed in every round: after the one restart, every rank gives up, and the job
+    // says why.
+    let always = submit_bundle(
+        &requester,
+        &dir.path().join("always"),
+        &restart_job("always"),
+        RESTART_PROGRAM,
+    );
+    let failed = wait_job(&requester, &always, 180, "the job to end", |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+            || j.history.iter().any(|h| h.text.contains("restart budget"))
+    });
+    let history: Vec<&str> = failed.history.iter().map(|h| h.text.as_str()).collect();
+    let history = history.join("\n");
+    assert!(
+        history.contains("the restart budget is spent (1 restart): rank 1 ended with signal 9"),
+        "{history}"
     );
 }

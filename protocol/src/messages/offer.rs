@@ -13,6 +13,9 @@ pub const MAX_TASKS: usize = 256;
 /// Most ranks of one group task.
 pub const MAX_GROUP_SIZE: u32 = 1024;
 
+/// The most restarts a task may ask for.
+pub const MAX_RESTARTS: u32 = 16;
+
 /// A job's id: the first 16 bytes of `SHA-256("cannabis/job-id/v1" || 0x00 || the
 /// requester's 32-byte public key || nonce)`, with the version 4 and variant bits set. A
 /// job id names one requester's job: another key cannot sign an offer carrying it.
@@ -114,6 +117,15 @@ pub struct TaskSpec {
     pub depends_on: Vec<u32>,
     /// This task's share of the budget.
     pub budget: Amount,
+    /// How often its ranks may be restarted, all together, after one fails (0 to 16):
+    /// each restart resumes from what the ranks left in their work directories. Left out
+    /// of the encoding when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub restarts: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The workload of a task, pinned by digest.
@@ -357,6 +369,9 @@ impl JobOffer {
     fn validate_task(&self, index: usize, task: &TaskSpec) -> Result<(), Invalid> {
         if task.group_size == 0 || task.group_size > MAX_GROUP_SIZE {
             return Err(Invalid::new("tasks.group_size", "must be 1 to 1024"));
+        }
+        if task.restarts > MAX_RESTARTS {
+            return Err(Invalid::new("tasks.restarts", "must be 0 to 16"));
         }
         let mut deps = std::collections::BTreeSet::new();
         for &d in &task.depends_on {

@@ -290,6 +290,7 @@ fn empty_block_has_the_empty_compute_root() {
 
 fn task(name: &str, budget: u64) -> TaskSpec {
     TaskSpec {
+        restarts: 0,
         name: name.into(),
         workload: Workload {
             adapter: AdapterKind::Process,

@@ -105,7 +105,7 @@ impl Adapter for Process {
 
     fn command(&self, request: &AttemptRequest) -> Result<Command, String> {
         Ok(Command {
-            argv: request.task.workload.entrypoint.clone(),
+            argv: with_restarts(request, request.task.workload.entrypoint.clone()),
             cwd: paths::BUNDLE.into(),
             outputs: declared_outputs(request),
         })
@@ -133,7 +133,9 @@ pub fn torchrun_installed() -> bool {
 /// `MASTER_PORT`); without them it is a group of one on the sandbox's loopback. The
 /// rendezvous is torchrun's static one (rank 0's agent hosts the store the workers share);
 /// torchrun restarts nothing itself (the task's terms decide restarts), and its logs go to
-/// `$TMPDIR/torchrun`, inside the work directory.
+/// `$TMPDIR/torchrun`, inside the work directory. A task that allows restarts runs under
+/// the restart supervisor, which gives each round its own port (torchrun reads it from
+/// `PET_MASTER_PORT`).
 struct Torchrun;
 
 impl Adapter for Torchrun {
@@ -173,7 +175,6 @@ impl Adapter for Torchrun {
                 .map_err(|_| format!("{name} {v:?} is not a number"))?;
         }
         let master = env("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        let port = env("MASTER_PORT").unwrap_or_else(|| "29500".into());
         let mut argv: Vec<String> = [
             "torchrun",
             "--nnodes",
@@ -186,8 +187,6 @@ impl Adapter for Torchrun {
             "static",
             "--master_addr",
             &master,
-            "--master_port",
-            &port,
             "--max_restarts",
             "0",
             // Python 3.11's torchrun needs its workers' output redirected to files (and
@@ -202,9 +201,14 @@ impl Adapter for Torchrun {
         .into_iter()
         .map(String::from)
         .collect();
+        if request.task.restarts == 0 {
+            // The round's port comes from the restart supervisor otherwise.
+            let port = env("MASTER_PORT").unwrap_or_else(|| "29500".into());
+            argv.extend(["--master_port".to_string(), port]);
+        }
         argv.extend(request.task.workload.entrypoint.iter().cloned());
         Ok(Command {
-            argv,
+            argv: with_restarts(request, argv),
             cwd: paths::BUNDLE.into(),
             outputs: declared_outputs(request),
         })
@@ -213,6 +217,24 @@ impl Adapter for Torchrun {
     fn interpret(&self, _: &AttemptRequest, _: &Path) -> Result<Option<SyntheticResult>, String> {
         Ok(None)
     }
+}
+
+/// `argv` under the restart supervisor (`cannabis exec rank`, see
+/// [`crate::restart`]) when the task allows restarts; else as it is.
+fn with_restarts(request: &AttemptRequest, argv: Vec<String>) -> Vec<String> {
+    if request.task.restarts == 0 {
+        return argv;
+    }
+    let mut wrapped = vec![
+        paths::SELF.to_string(),
+        "exec".into(),
+        "rank".into(),
+        "--restarts".into(),
+        request.task.restarts.to_string(),
+        "--".into(),
+    ];
+    wrapped.extend(argv);
+    wrapped
 }
 
 /// The task's declared outputs with their size caps.

@@ -452,7 +452,10 @@ fn outcome(
     if let Some(s) = exit.signal {
         return (
             AttemptState::Failed,
-            Some(format!("killed by signal {s}{oom_note}")),
+            Some(format!(
+                "killed by signal {s}{oom_note}{}",
+                stderr_tail(&inner.attempt_dir(&a.id))
+            )),
             None,
         );
     }
@@ -461,7 +464,10 @@ fn outcome(
         Some(c) => {
             return (
                 AttemptState::Failed,
-                Some(format!("exit code {c}{oom_note}")),
+                Some(format!(
+                    "exit code {c}{oom_note}{}",
+                    stderr_tail(&inner.attempt_dir(&a.id))
+                )),
                 None,
             );
         }
@@ -530,6 +536,27 @@ fn sandbox_log_tail(dir: &Path) -> String {
     let useful = |l: &&str| !l.trim().is_empty() && !l.starts_with("note: run with");
     match text.lines().rev().find(useful) {
         Some(line) => format!(" (sandbox: {})", line.chars().take(300).collect::<String>()),
+        None => String::new(),
+    }
+}
+
+/// The last line the command wrote on its standard error, as `": ..."` (at most 300
+/// characters, no control characters), or nothing: why it failed, in its own words.
+fn stderr_tail(dir: &Path) -> String {
+    use std::io::{Seek as _, SeekFrom};
+    let mut bytes = Vec::new();
+    if let Ok(mut f) = super::open_beneath(dir, files::STDERR) {
+        let len = f.metadata().map_or(0, |m| m.len());
+        if f.seek(SeekFrom::Start(len.saturating_sub(4096))).is_ok() {
+            let _ = f.take(4096).read_to_end(&mut bytes);
+        }
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    match text.lines().rev().map(str::trim).find(|l| !l.is_empty()) {
+        Some(line) => {
+            let line: String = line.chars().filter(|c| !c.is_control()).take(300).collect();
+            format!(": {line}")
+        }
         None => String::new(),
     }
 }

@@ -189,6 +189,7 @@ fn request(id: &str, bundle: &Path, digest: Digest) -> AttemptRequest {
     AttemptRequest {
         request_id: id.into(),
         task: TaskSpec {
+            restarts: 0,
             name: "bench".into(),
             workload: Workload {
                 adapter: AdapterKind::Process,
