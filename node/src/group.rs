@@ -367,6 +367,8 @@ pub struct Groups {
     keys: Keypair,
     control: libp2p_stream::Control,
     starter: Starter,
+    /// How long a rank waits for the others ([`GANG_START`]).
+    gang_start: Duration,
     members: Mutex<HashMap<(Uuid, u64), Member>>,
     opening: Arc<tokio::sync::Semaphore>,
     /// Streams in their opening, by peer.
@@ -404,6 +406,7 @@ impl Groups {
             keys,
             control,
             starter,
+            gang_start: GANG_START,
             members: Mutex::new(HashMap::new()),
             opening: Arc::new(tokio::sync::Semaphore::new(MAX_OPENING)),
             opening_by_peer: Mutex::new(HashMap::new()),
@@ -588,7 +591,7 @@ impl Groups {
     /// Releases the held rank once it has a channel to every other rank; stops it if that
     /// takes longer than [`GANG_START`].
     async fn gang_start(self: Arc<Self>, request_id: String, net: Arc<Net>, ranks: u32) {
-        let deadline = tokio::time::Instant::now() + GANG_START;
+        let deadline = tokio::time::Instant::now() + self.gang_start;
         let others = ranks.saturating_sub(1) as usize;
         loop {
             let linked = net.linked();
@@ -603,9 +606,9 @@ impl Groups {
                     .map(|r| r.to_string())
                     .collect();
                 let why = format!(
-                    "gang start: rank {} not ready within {} s",
+                    "gang start: rank {} not ready within {:?}",
                     missing.join(", "),
-                    GANG_START.as_secs()
+                    self.gang_start
                 );
                 warn!(%request_id, rank = net.rank, %why, "the group does not start");
                 (self.starter)(request_id, Err(why));
@@ -618,7 +621,7 @@ impl Groups {
     /// Opens this rank's channel to the lower rank `opening.to`, trying again while that
     /// rank is not prepared, then carries it until it ends.
     async fn dial(self: Arc<Self>, opening: Opening, net: Arc<Net>) {
-        let deadline = tokio::time::Instant::now() + GANG_START;
+        let deadline = tokio::time::Instant::now() + self.gang_start;
         loop {
             match self.open(opening).await {
                 Ok((channel, stream)) => {
@@ -927,6 +930,52 @@ mod tests {
             net0.linked().is_empty(),
             "an ended channel leaves the table"
         );
+    }
+
+    #[tokio::test]
+    async fn a_rank_starts_only_with_a_channel_to_every_other_and_is_stopped_when_one_never_comes()
+    {
+        type Decisions = Mutex<Vec<(String, Result<(), String>)>>;
+        let decided: Arc<Decisions> = Arc::default();
+        let seen = decided.clone();
+        let mut groups = Groups::new(
+            Keypair::from_secret([1; 32]),
+            libp2p_stream::Behaviour::new().new_control(),
+            Arc::new(move |id, outcome| seen.lock().unwrap().push((id, outcome))),
+        );
+        Arc::get_mut(&mut groups).unwrap().gang_start = Duration::from_millis(300);
+        let (r0, r1) = (Keypair::from_secret([1; 32]), Keypair::from_secret([2; 32]));
+        let g = group(&[&r0, &r1]);
+        let (d0, _sandbox0) = device();
+        let net0 = Net::new(0, d0).unwrap();
+
+        // Rank 1 never comes: rank 0 is stopped, with who was missing.
+        groups
+            .clone()
+            .gang_start("lease/a".into(), net0.clone(), 3)
+            .await;
+        assert_eq!(
+            decided.lock().unwrap().pop(),
+            Some((
+                "lease/a".to_string(),
+                Err("gang start: rank 1, 2 not ready within 300ms".to_string())
+            ))
+        );
+
+        // With its channel to rank 1 up (a group of two), rank 0 is released.
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        let hs1 = Handshake::new(&r1, &r0.address(), &g, 1, true, [8; 32]).unwrap();
+        let hs0 = Handshake::new(&r0, &r1.address(), &g, 1, false, [7; 32]).unwrap();
+        let (c1, c0) = tokio::join!(establish(&mut a, hs1), establish(&mut b, hs0));
+        c1.unwrap();
+        let n0 = net0.clone();
+        let link = tokio::spawn(async move { n0.link(1, c0.unwrap(), b).await });
+        groups.clone().gang_start("lease/b".into(), net0, 2).await;
+        assert_eq!(
+            decided.lock().unwrap().pop(),
+            Some(("lease/b".to_string(), Ok(())))
+        );
+        link.abort();
     }
 
     #[test]

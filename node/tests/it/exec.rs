@@ -376,7 +376,7 @@ fn a_held_sandbox_starts_only_when_released_and_one_stopped_while_held_never_sta
     req.hold = true;
     let a = s.ex.submit(req).unwrap();
     wait_held(&s.ex, &a.id);
-    s.ex.stop(&a.id, "gang start: rank 1 not ready within 120 s")
+    s.ex.stop(&a.id, "gang start: rank 1 not ready within 120s")
         .unwrap();
     let a = s.ex.wait(&a.id, Duration::from_secs(60)).unwrap();
     assert_eq!(a.state, AttemptState::Cancelled, "{a:#?}");
