@@ -870,6 +870,7 @@ impl Node {
                 Output::Settle(order) => self.on_settle(order),
             }
         }
+        self.settle_new();
     }
 
     /// A group rank's lease became current (its channel's endpoints open) or ended

@@ -450,6 +450,20 @@ impl Store {
         Ok(())
     }
 
+    /// Keeps several transactions for the next blocks, in one durable write.
+    pub fn put_pooled_many(&self, rows: &[(Digest, Vec<u8>)]) -> anyhow::Result<()> {
+        let db = self.db()?;
+        let txn = db.begin_write()?;
+        {
+            let mut table = txn.open_table(LEDGER_POOL)?;
+            for (id, tx) in rows {
+                table.insert(id.0.as_slice(), tx.as_slice())?;
+            }
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
     /// The transactions kept for the next blocks.
     pub fn pooled(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         let db = self.db()?;

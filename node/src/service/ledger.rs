@@ -123,6 +123,9 @@ pub(crate) struct Chain {
     pending: HashMap<OutboundRequestId, (Reply, api::Submitted, bool)>,
     /// The engine's escrow operations not in a block yet.
     pub(super) orders: Vec<super::settle::Order>,
+    /// Orders came since the last look: sent once the engine's outputs are drained, all
+    /// together (a group's awards ask for one assignment per rank).
+    pub(super) orders_new: bool,
 }
 
 impl Chain {
@@ -184,6 +187,7 @@ impl Chain {
             served: cannabis_market::rate::Limiter::default(),
             pending: HashMap::new(),
             orders: Vec::new(),
+            orders_new: false,
         })
     }
 
@@ -557,6 +561,62 @@ impl Node {
     }
 
     /// A transaction for the waiting list (the sequencer's): checked, kept, scheduled.
+    /// This node's own transactions, handed to the sequencer together: where this node
+    /// sequences, each is checked and all are kept with one durable write.
+    pub(super) fn submit_own_many(&mut self, batch: Vec<(Signed<Transaction>, Reply)>) {
+        if batch.len() < 2 || !self.chain.as_ref().is_some_and(|c| c.sequencing) {
+            for (signed, reply) in batch {
+                self.submit_own(signed, reply);
+            }
+            return;
+        }
+        let me = self.address;
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        let mut admitted = Vec::new();
+        for (signed, reply) in batch {
+            let checked = signed
+                .verify()
+                .map_err(|e| e.to_string())
+                .and_then(|v| chain.admit(&v.body).map(|()| v.body));
+            match checked {
+                Ok(tx) => admitted.push((signed, tx, reply)),
+                Err(e) => {
+                    chain.own_nonce = chain.ledger.account(&me).nonce;
+                    let _ = reply.send(Err(anyhow::anyhow!(e)));
+                }
+            }
+        }
+        let rows: Vec<(Digest, Vec<u8>)> = admitted
+            .iter()
+            .map(|(signed, _, _)| (signed.id(), signed.to_bytes()))
+            .collect();
+        if let Err(e) = self.store.put_pooled_many(&rows) {
+            for (_, _, reply) in admitted {
+                let _ = reply.send(Err(anyhow::anyhow!("not kept: {e:#}")));
+            }
+            if let Some(chain) = self.chain.as_mut() {
+                chain.own_nonce = chain.ledger.account(&me).nonce;
+            }
+            return;
+        }
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        for (signed, tx, reply) in admitted {
+            let submitted = api::Submitted {
+                id: signed.id().to_string(),
+                from: tx.from_address.to_string(),
+                nonce: tx.nonce,
+                fee: tx.fee,
+            };
+            chain.waiting.push((signed, tx));
+            let _ = reply.send(Ok(submitted));
+        }
+        chain.schedule();
+    }
+
     fn keep_waiting(
         &mut self,
         signed: Signed<Transaction>,

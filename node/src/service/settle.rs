@@ -165,7 +165,20 @@ impl Node {
             asked_at: tokio::time::Instant::now(),
             sent_at: None,
         });
-        self.settle_due();
+        // Sent when the engine's outputs are drained, with every order that came with
+        // this one.
+        chain.orders_new = true;
+    }
+
+    /// Sends the orders that came while the engine's outputs were drained.
+    pub(super) fn settle_new(&mut self) {
+        if self
+            .chain
+            .as_mut()
+            .is_some_and(|c| std::mem::take(&mut c.orders_new))
+        {
+            self.settle_due();
+        }
     }
 
     /// Tells the engine the workers' strikes when a block changed them, so that
@@ -250,42 +263,45 @@ impl Node {
                 debug!(%job, error = %e, "lock outcome not taken");
             }
         }
-        for settle in send {
-            self.send_settle(settle);
-        }
+        self.send_settles(send);
         self.drain();
     }
 
-    /// Signs `settle` as this node's transaction and submits it; a refusal of a lock fails
-    /// its job, of anything else is logged (the order is sent again if it still applies).
-    fn send_settle(&mut self, settle: Settle) {
-        let job = settle.job();
-        let what = kind(&settle);
-        let (amount, payload) = settle.into_payload();
-        let signed = match self.sign_own(None, amount, payload) {
-            Ok(s) => s,
-            Err(e) => {
-                warn!(%job, kind = what, error = %e, "settlement not signed");
-                return;
-            }
-        };
-        let (tx, rx) = oneshot::channel();
-        self.submit_own(signed, tx);
-        let tell = self.self_tx.clone();
-        tokio::spawn(async move {
-            let result = match rx.await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(format!("{e:#}")),
-                Err(_) => return,
+    /// Signs each of `settles` as this node's transaction and submits them together; a
+    /// refusal of a lock fails its job, of anything else is logged (the order is sent again
+    /// if it still applies).
+    fn send_settles(&mut self, settles: Vec<Settle>) {
+        let mut batch = Vec::with_capacity(settles.len());
+        for settle in settles {
+            let job = settle.job();
+            let what = kind(&settle);
+            let (amount, payload) = settle.into_payload();
+            let signed = match self.sign_own(None, amount, payload) {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(%job, kind = what, error = %e, "settlement not signed");
+                    continue;
+                }
             };
-            let _ = tell
-                .send(Command::SettleSent {
-                    job,
-                    lock: what == "lock",
-                    result,
-                })
-                .await;
-        });
+            let (tx, rx) = oneshot::channel();
+            batch.push((signed, tx));
+            let tell = self.self_tx.clone();
+            tokio::spawn(async move {
+                let result = match rx.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) => Err(format!("{e:#}")),
+                    Err(_) => return,
+                };
+                let _ = tell
+                    .send(Command::SettleSent {
+                        job,
+                        lock: what == "lock",
+                        result,
+                    })
+                    .await;
+            });
+        }
+        self.submit_own_many(batch);
     }
 
     /// The sequencer's answer to a settlement transaction.
