@@ -13,13 +13,15 @@
 //! comes from the rank at the channel's other end and is for this rank.
 //!
 //! One channel (one swarm stream, one handshake) joins each pair of ranks: the higher rank
-//! opens it, the lower answers once its own sandbox is connected. A rank's node releases
-//! the held command of its sandbox (the executor made and checked it and holds it before
-//! it starts) only when its channels to every other rank are up: each rank has then proved,
-//! through a handshake only that rank could complete, that it is prepared. That is the gang
-//! start: no rank runs before all can. A rank whose channels are not all up within
-//! [`GANG_START`] is stopped instead, and the others with it (each times out alike); the
-//! requester re-places or refunds the task as for any failed run.
+//! opens it, the lower answers once its own sandbox is connected. The executor makes and
+//! checks each rank's sandbox and holds it before its command starts. The gang start goes
+//! through rank 0: every other rank opens its channel to rank 0 once prepared; when rank 0
+//! holds one from every rank (each proved, through a handshake only that rank could
+//! complete, that it is prepared) it releases its own rank and sends each the go, on which
+//! each is released and opens its channels to the lower ranks above 0. No rank runs before
+//! all can, and the start costs one channel per rank, not one per pair. A rank that gets
+//! no go within [`GANG_START`] is stopped instead (and rank 0 without all its channels);
+//! the requester re-places or refunds the task as for any failed run.
 //!
 //! Frames on the stream: a 2-byte big-endian length, then that many bytes (one Noise
 //! message, at most 65,535). The first frame, in the clear, is the [`Opening`]: which group
@@ -61,8 +63,10 @@ pub const GANG_START: Duration = Duration::from_secs(120);
 /// How long the opener of a stream has for its opening and the handshake.
 const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How soon a rank tries again to open its channel to a lower rank not yet prepared.
+/// How soon a rank tries again to open its channel to a lower rank not yet prepared; the
+/// pause doubles each time, up to [`LINK_RETRY_MAX`].
 const LINK_RETRY: Duration = Duration::from_millis(200);
+const LINK_RETRY_MAX: Duration = Duration::from_secs(2);
 
 /// Packets waiting to be sealed into one channel; past that the router waits (the
 /// sandbox's own sends then queue in its interface, and TCP there slows down).
@@ -181,6 +185,10 @@ pub struct Net {
     device: AsyncFd<OwnedFd>,
     /// The packets waiting for each linked rank's channel.
     links: Mutex<HashMap<u32, mpsc::Sender<Vec<u8>>>>,
+    /// Rank 0 said every rank is ready (a rank above 0 only).
+    go: std::sync::atomic::AtomicBool,
+    /// A channel came or went, or the go came.
+    changed: tokio::sync::Notify,
 }
 
 impl Net {
@@ -198,7 +206,42 @@ impl Net {
             address: rank_address(rank).context("a rank beyond the group's network")?,
             device,
             links: Mutex::new(HashMap::new()),
+            go: std::sync::atomic::AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
         }))
+    }
+
+    /// Whether rank 0 said every rank is ready.
+    fn has_go(&self) -> bool {
+        self.go.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Rank 0 tells every linked rank that every rank is ready: an empty message on each
+    /// channel (a packet is never empty).
+    fn send_go(&self) {
+        for link in self.links().values() {
+            let _ = link.try_send(Vec::new());
+        }
+    }
+
+    /// Waits until `ready` holds (looked at whenever a channel comes or goes, or the go
+    /// comes) or `deadline` passes: whether it held.
+    async fn wait_until(
+        &self,
+        deadline: tokio::time::Instant,
+        ready: impl Fn(&Self) -> bool,
+    ) -> bool {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if ready(self) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return ready(self);
+            }
+        }
     }
 
     fn links(&self) -> std::sync::MutexGuard<'_, HashMap<u32, mpsc::Sender<Vec<u8>>>> {
@@ -280,11 +323,13 @@ impl Net {
             );
             links.insert(peer, tx);
         }
+        self.changed.notify_waiters();
         /// Takes the link out of the table when the link ends, however it ends.
         struct Unlink<'a>(&'a Net, u32);
         impl Drop for Unlink<'_> {
             fn drop(&mut self) {
                 self.0.links().remove(&self.1);
+                self.0.changed.notify_waiters();
             }
         }
         let _unlink = Unlink(self, peer);
@@ -310,6 +355,14 @@ impl Net {
             let (mut got, mut refused) = (0u64, 0u64);
             while let Some(m) = read_frame(&mut stream_r).await? {
                 let packet = lock()?.open(&m)?;
+                if packet.is_empty() {
+                    // Rank 0's go.
+                    if peer == 0 {
+                        self.go.store(true, std::sync::atomic::Ordering::SeqCst);
+                        self.changed.notify_waiters();
+                    }
+                    continue;
+                }
                 match ipv4_ends(&packet) {
                     Some((src, dst)) if src == from && dst == self.address => {
                         self.deliver(&packet);
@@ -562,17 +615,12 @@ impl Groups {
             }
         };
         let mut tasks = vec![tokio::spawn(net.clone().route())];
-        for lower in 0..rank {
-            let opening = Opening {
-                rendezvous: id.0,
-                epoch: id.1,
-                from: rank,
-                to: lower,
-            };
-            tasks.push(tokio::spawn(self.clone().dial(opening, net.clone())));
+        if rank > 0 {
+            tasks.push(tokio::spawn(self.clone().dial(id, rank, 0, net.clone())));
         }
         tasks.push(tokio::spawn(self.clone().gang_start(
             request_id.to_owned(),
+            id,
             net.clone(),
             ranks,
         )));
@@ -588,54 +636,88 @@ impl Groups {
         Ok(())
     }
 
-    /// Releases the held rank once it has a channel to every other rank; stops it if that
-    /// takes longer than [`GANG_START`].
-    async fn gang_start(self: Arc<Self>, request_id: String, net: Arc<Net>, ranks: u32) {
+    /// The gang start of a held rank. Every rank above 0 opens its channel to rank 0
+    /// once prepared; rank 0, once it holds a channel from every other rank, is released
+    /// and sends each of them the go, on which each is released; then each rank opens its
+    /// channels to the lower ranks above 0 (the rest of the mesh). A rank is stopped instead
+    /// if the go (for rank 0: every channel) does not come within the gang start's wait.
+    async fn gang_start(
+        self: Arc<Self>,
+        request_id: String,
+        id: (Uuid, u64),
+        net: Arc<Net>,
+        ranks: u32,
+    ) {
         let deadline = tokio::time::Instant::now() + self.gang_start;
         let others = ranks.saturating_sub(1) as usize;
-        loop {
-            let linked = net.linked();
-            if linked.len() >= others {
-                info!(%request_id, rank = net.rank, ranks, "every rank is ready: the group starts");
-                (self.starter)(request_id, Ok(()));
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                let missing: Vec<String> = (0..ranks)
-                    .filter(|r| *r != net.rank && !linked.contains(r))
+        let ready = if net.rank == 0 {
+            net.wait_until(deadline, |n| n.links().len() >= others)
+                .await
+        } else {
+            net.wait_until(deadline, Net::has_go).await
+        };
+        if !ready {
+            let why = if net.rank == 0 {
+                let linked = net.linked();
+                let missing: Vec<String> = (1..ranks)
+                    .filter(|r| !linked.contains(r))
                     .map(|r| r.to_string())
                     .collect();
-                let why = format!(
+                format!(
                     "gang start: rank {} not ready within {:?}",
                     missing.join(", "),
                     self.gang_start
-                );
-                warn!(%request_id, rank = net.rank, %why, "the group does not start");
-                (self.starter)(request_id, Err(why));
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+                )
+            } else {
+                format!(
+                    "gang start: no word from rank 0 that every rank is ready within {:?}",
+                    self.gang_start
+                )
+            };
+            warn!(%request_id, rank = net.rank, %why, "the group does not start");
+            (self.starter)(request_id, Err(why));
+            return;
         }
+        info!(%request_id, rank = net.rank, ranks, "every rank is ready: the group starts");
+        if net.rank == 0 {
+            net.send_go();
+        }
+        (self.starter)(request_id, Ok(()));
+        // The rest of the mesh: every rank is prepared now, so each opens at once.
+        let mut dials = tokio::task::JoinSet::new();
+        for lower in 1..net.rank {
+            dials.spawn(self.clone().dial(id, net.rank, lower, net.clone()));
+        }
+        while dials.join_next().await.is_some() {}
     }
 
-    /// Opens this rank's channel to the lower rank `opening.to`, trying again while that
-    /// rank is not prepared, then carries it until it ends.
-    async fn dial(self: Arc<Self>, opening: Opening, net: Arc<Net>) {
+    /// Opens this rank's channel to the lower rank `to`, trying again (at growing
+    /// intervals) while that rank is not prepared, until the gang start's wait is over;
+    /// then carries it until it ends.
+    async fn dial(self: Arc<Self>, id: (Uuid, u64), from: u32, to: u32, net: Arc<Net>) {
+        let opening = Opening {
+            rendezvous: id.0,
+            epoch: id.1,
+            from,
+            to,
+        };
         let deadline = tokio::time::Instant::now() + self.gang_start;
+        let mut pause = LINK_RETRY;
         loop {
             match self.open(opening).await {
                 Ok((channel, stream)) => {
-                    if let Err(e) = net.link(opening.to, channel, stream).await {
-                        debug!(to = opening.to, error = %format!("{e:#}"), "group channel ended");
+                    if let Err(e) = net.link(to, channel, stream).await {
+                        debug!(to, error = %format!("{e:#}"), "group channel ended");
                     }
                     return;
                 }
-                Err(e) if tokio::time::Instant::now() < deadline => {
-                    debug!(to = opening.to, error = %format!("{e:#}"), "group channel not open yet");
-                    tokio::time::sleep(LINK_RETRY).await;
+                Err(e) if tokio::time::Instant::now() + pause < deadline => {
+                    debug!(to, error = %format!("{e:#}"), "group channel not open yet");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(LINK_RETRY_MAX);
                 }
                 Err(e) => {
-                    warn!(to = opening.to, error = %format!("{e:#}"), "group channel not opened");
+                    warn!(to, error = %format!("{e:#}"), "group channel not opened");
                     return;
                 }
             }
@@ -933,8 +1015,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_rank_starts_only_with_a_channel_to_every_other_and_is_stopped_when_one_never_comes()
-    {
+    async fn ranks_start_on_rank_0s_go_once_all_are_linked_and_are_stopped_when_one_never_comes() {
         type Decisions = Mutex<Vec<(String, Result<(), String>)>>;
         let decided: Arc<Decisions> = Arc::default();
         let seen = decided.clone();
@@ -946,36 +1027,64 @@ mod tests {
         Arc::get_mut(&mut groups).unwrap().gang_start = Duration::from_millis(300);
         let (r0, r1) = (Keypair::from_secret([1; 32]), Keypair::from_secret([2; 32]));
         let g = group(&[&r0, &r1]);
-        let (d0, _sandbox0) = device();
-        let net0 = Net::new(0, d0).unwrap();
+        let id = (g.id, 1);
+        let ((d0, _sandbox0), (d1, _sandbox1)) = (device(), device());
+        let (net0, net1) = (Net::new(0, d0).unwrap(), Net::new(1, d1).unwrap());
 
-        // Rank 1 never comes: rank 0 is stopped, with who was missing.
+        // Ranks 1 and 2 never come: rank 0 is stopped, with who was missing; rank 1 never
+        // hears from rank 0 and is stopped too.
         groups
             .clone()
-            .gang_start("lease/a".into(), net0.clone(), 3)
+            .gang_start("lease/0".into(), id, net0.clone(), 3)
             .await;
+        groups
+            .clone()
+            .gang_start("lease/1".into(), id, net1.clone(), 3)
+            .await;
+        let mut d = std::mem::take(&mut *decided.lock().unwrap());
         assert_eq!(
-            decided.lock().unwrap().pop(),
-            Some((
-                "lease/a".to_string(),
+            d.remove(0),
+            (
+                "lease/0".to_string(),
                 Err("gang start: rank 1, 2 not ready within 300ms".to_string())
-            ))
+            )
         );
+        let (who, outcome) = d.remove(0);
+        assert_eq!(who, "lease/1");
+        assert!(outcome.unwrap_err().contains("no word from rank 0"));
 
-        // With its channel to rank 1 up (a group of two), rank 0 is released.
+        // A group of two with its channel up: rank 0 is released and sends the go, on
+        // which rank 1 is released.
         let (mut a, mut b) = tokio::io::duplex(1 << 16);
         let hs1 = Handshake::new(&r1, &r0.address(), &g, 1, true, [8; 32]).unwrap();
         let hs0 = Handshake::new(&r0, &r1.address(), &g, 1, false, [7; 32]).unwrap();
         let (c1, c0) = tokio::join!(establish(&mut a, hs1), establish(&mut b, hs0));
-        c1.unwrap();
-        let n0 = net0.clone();
-        let link = tokio::spawn(async move { n0.link(1, c0.unwrap(), b).await });
-        groups.clone().gang_start("lease/b".into(), net0, 2).await;
-        assert_eq!(
-            decided.lock().unwrap().pop(),
-            Some(("lease/b".to_string(), Ok(())))
+        let (n0, n1) = (net0.clone(), net1.clone());
+        let links = [
+            tokio::spawn(async move { n0.link(1, c0.unwrap(), b).await }),
+            tokio::spawn(async move { n1.link(0, c1.unwrap(), a).await }),
+        ];
+        let one = tokio::spawn(
+            groups
+                .clone()
+                .gang_start("lease/b1".into(), id, net1.clone(), 2),
         );
-        link.abort();
+        groups
+            .clone()
+            .gang_start("lease/b0".into(), id, net0, 2)
+            .await;
+        one.await.unwrap();
+        let mut d = std::mem::take(&mut *decided.lock().unwrap());
+        d.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(
+            d,
+            [
+                ("lease/b0".to_string(), Ok(())),
+                ("lease/b1".to_string(), Ok(()))
+            ]
+        );
+        assert!(net1.has_go());
+        links.iter().for_each(tokio::task::JoinHandle::abort);
     }
 
     #[test]

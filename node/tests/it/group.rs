@@ -86,16 +86,39 @@ def all_reduce_sum(value, hold=0):
 "#;
 
 /// Each rank's value is 10 times its rank plus one; rank 0 holds its service open a
-/// little, for the stranger. Each rank also lists its interfaces.
+/// little, for the stranger. Each rank also lists its interfaces, and ranks 1 and 2 meet
+/// directly (rank 2 connects to a port of rank 1's).
 const PROGRAM: &str = r#"
-import os, socket
+import os, socket, time
 from sum import all_reduce_sum
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 total = all_reduce_sum(10 * (rank + 1), hold=8)
 names = sorted(n for _, n in socket.if_nameindex())
+# Ranks 1 and 2 also meet directly, without rank 0 (the group's mesh).
+mesh = "-"
+if rank == 1:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("10.29.0.2", 29601))
+    srv.listen(1)
+    c, _ = srv.accept()
+    c.sendall(b"mesh")
+    c.close()
+    mesh = "served"
+elif rank == 2:
+    deadline = time.time() + 60
+    while True:
+        try:
+            s = socket.create_connection(("10.29.0.2", 29601), timeout=10)
+            mesh = s.recv(4).decode()
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
 with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
-    f.write(f"rank {rank} of {world}: {total} over {names}\n")
+    f.write(f"rank {rank} of {world}: {total} over {names}, {mesh}\n")
 "#;
 
 /// A testnet of `nodes` real processes whose node 0 submits `job`, the bundle holding
@@ -218,9 +241,9 @@ fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
     assert_eq!(
         sums(&done),
         [
-            "rank 0 of 3: 60 over ['cnb0', 'lo']",
-            "rank 1 of 3: 60 over ['cnb0', 'lo']",
-            "rank 2 of 3: 60 over ['cnb0', 'lo']"
+            "rank 0 of 3: 60 over ['cnb0', 'lo'], -",
+            "rank 1 of 3: 60 over ['cnb0', 'lo'], served",
+            "rank 2 of 3: 60 over ['cnb0', 'lo'], mesh"
         ],
         "each rank's output"
     );

@@ -303,19 +303,19 @@ fn hold(inner: &Inner, id: &str) -> Result<(), String> {
         if inner.shutdown.load(Ordering::SeqCst) {
             return Err("the executor shut down before the held command started".into());
         }
-        let a = inner
+        let (cancel, released, lease_until_ms) = inner
             .lock()
             .attempts
             .get(id)
-            .cloned()
+            .map(|a| (a.cancel.clone(), a.released, a.lease_until_ms))
             .ok_or("the attempt is gone")?;
-        if let Some((_, why)) = &a.cancel {
+        if let Some((_, why)) = cancel {
             return Err(format!("stopped while held before its start: {why}"));
         }
-        if a.released {
+        if released {
             return Ok(());
         }
-        if now_ms() > a.lease_until_ms {
+        if now_ms() > lease_until_ms {
             return Err("the lease expired while the command was held before its start".into());
         }
         std::thread::sleep(HOLD_POLL);
