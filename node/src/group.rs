@@ -56,7 +56,7 @@ pub const RENDEZVOUS_PORT: u16 = 29_500;
 /// [`cannabis_protocol::channel::MAX_PLAINTEXT`]; large, as on a loopback, so that bulk transfers cost few messages.
 pub const MTU: u32 = 65_000;
 
-/// How long a rank's node waits for its channels to every other rank before it stops
+/// How long a rank's node waits for the go (rank 0: for every rank's channel) before it stops
 /// its held rank instead of starting it.
 pub const GANG_START: Duration = Duration::from_secs(120);
 
