@@ -115,13 +115,24 @@ impl Running {
     }
 }
 
-/// Reads `stream`'s lines into `events` as rank `rank`'s, then its end.
+/// The longest line a supervisor takes; a longer one ends the connection.
+const MAX_LINE: u64 = 1024;
+
+/// Reads `stream`'s lines into `events` as rank `rank`'s, then its end (also after a line
+/// over [`MAX_LINE`] bytes, or one that is not text).
 fn listen(rank: u32, stream: TcpStream, events: mpsc::Sender<Event>) {
     std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines() {
-            let Ok(line) = line else { break };
-            if events.send(Event::Line(rank, line)).is_err() {
-                return;
+        let mut reader = BufReader::new(stream);
+        loop {
+            let mut line = String::new();
+            match std::io::Read::take(&mut reader, MAX_LINE).read_line(&mut line) {
+                Ok(_) if line.ends_with('\n') => {
+                    line.pop();
+                    if events.send(Event::Line(rank, line)).is_err() {
+                        return;
+                    }
+                }
+                _ => break,
             }
         }
         let _ = events.send(Event::Gone(rank));
@@ -166,7 +177,8 @@ fn coordinate(r: &Ranks) -> Result<(), String> {
                     let _ = stream.set_nonblocking(false);
                     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
                     let mut hello = String::new();
-                    let _ = BufReader::new(&stream).read_line(&mut hello);
+                    let _ = BufReader::new(std::io::Read::take(&stream, MAX_LINE))
+                        .read_line(&mut hello);
                     let _ = stream.set_read_timeout(None);
                     let rank = hello
                         .trim()

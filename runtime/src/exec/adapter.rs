@@ -90,13 +90,7 @@ impl Adapter for Process {
     }
 
     fn check(&self, request: &AttemptRequest) -> Result<(), String> {
-        if request.task.workload.entrypoint.is_empty() {
-            return Err("the process adapter needs an entrypoint".into());
-        }
-        if request.bundle.is_none() {
-            return Err("the process adapter needs the program bundle".into());
-        }
-        Ok(())
+        check_program("process", "an entrypoint", request)
     }
 
     fn needs_bundle(&self) -> bool {
@@ -144,16 +138,11 @@ impl Adapter for Torchrun {
     }
 
     fn check(&self, request: &AttemptRequest) -> Result<(), String> {
-        if request.task.workload.entrypoint.is_empty() {
-            return Err(
-                "the torchrun adapter needs an entrypoint: the training script and its arguments"
-                    .into(),
-            );
-        }
-        if request.bundle.is_none() {
-            return Err("the torchrun adapter needs the program bundle".into());
-        }
-        Ok(())
+        check_program(
+            "torchrun",
+            "an entrypoint: the training script and its arguments",
+            request,
+        )
     }
 
     fn needs_bundle(&self) -> bool {
@@ -235,6 +224,17 @@ fn with_restarts(request: &AttemptRequest, argv: Vec<String>) -> Vec<String> {
     ];
     wrapped.extend(argv);
     wrapped
+}
+
+/// A requester's program: an entrypoint (`what` says which) and the bundle it is in.
+fn check_program(adapter: &str, what: &str, request: &AttemptRequest) -> Result<(), String> {
+    if request.task.workload.entrypoint.is_empty() {
+        return Err(format!("the {adapter} adapter needs {what}"));
+    }
+    if request.bundle.is_none() {
+        return Err(format!("the {adapter} adapter needs the program bundle"));
+    }
+    Ok(())
 }
 
 /// The task's declared outputs with their size caps.

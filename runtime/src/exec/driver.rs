@@ -529,36 +529,35 @@ fn cleanup(inner: &Inner, a: &Attempt) -> Result<(), ExecError> {
 
 /// The last line the sandbox monitor logged, as `" (sandbox: ...)"`, or nothing.
 fn sandbox_log_tail(dir: &Path) -> String {
-    let mut text = String::new();
-    if let Ok(f) = super::open_beneath(dir, files::SANDBOX_LOG) {
-        let _ = f.take(64 * 1024).read_to_string(&mut text);
-    }
-    let useful = |l: &&str| !l.trim().is_empty() && !l.starts_with("note: run with");
-    match text.lines().rev().find(useful) {
-        Some(line) => format!(" (sandbox: {})", line.chars().take(300).collect::<String>()),
-        None => String::new(),
-    }
+    last_line(dir, files::SANDBOX_LOG, |l| l.starts_with("note: run with"))
+        .map_or_else(String::new, |l| format!(" (sandbox: {l})"))
 }
 
-/// The last line the command wrote on its standard error, as `": ..."` (at most 300
-/// characters, no control characters), or nothing: why it failed, in its own words.
+/// The last line the command wrote on its standard error, as `": ..."`, or nothing: why
+/// it failed, in its own words.
 fn stderr_tail(dir: &Path) -> String {
+    last_line(dir, files::STDERR, |_| false).map_or_else(String::new, |l| format!(": {l}"))
+}
+
+/// The last non-empty line of the last 64 KiB of `name` beneath the attempt directory
+/// `dir`, unless `skip` says to look further back: trimmed, without control characters,
+/// at most 300 characters.
+fn last_line(dir: &Path, name: &str, skip: impl Fn(&str) -> bool) -> Option<String> {
     use std::io::{Seek as _, SeekFrom};
+    const TAIL: u64 = 64 * 1024;
     let mut bytes = Vec::new();
-    if let Ok(mut f) = super::open_beneath(dir, files::STDERR) {
+    if let Ok(mut f) = super::open_beneath(dir, name) {
         let len = f.metadata().map_or(0, |m| m.len());
-        if f.seek(SeekFrom::Start(len.saturating_sub(4096))).is_ok() {
-            let _ = f.take(4096).read_to_end(&mut bytes);
+        if f.seek(SeekFrom::Start(len.saturating_sub(TAIL))).is_ok() {
+            let _ = f.take(TAIL).read_to_end(&mut bytes);
         }
     }
     let text = String::from_utf8_lossy(&bytes);
-    match text.lines().rev().map(str::trim).find(|l| !l.is_empty()) {
-        Some(line) => {
-            let line: String = line.chars().filter(|c| !c.is_control()).take(300).collect();
-            format!(": {line}")
-        }
-        None => String::new(),
-    }
+    text.lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !skip(l))
+        .map(|l| l.chars().filter(|c| !c.is_control()).take(300).collect())
 }
 
 fn read_exit(dir: &Path) -> Option<ExitRecord> {
