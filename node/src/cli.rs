@@ -547,6 +547,22 @@ pub(crate) enum MarketCommand {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum TestnetCommand {
+    /// Jobs through the real system, step by step: a testnet of real nodes (a ledger
+    /// sequencer, workers of different cores and prices, a requester) in a fresh
+    /// directory; a faucet grant; a synthetic job from bids to settlement; a
+    /// proof-of-compute result proved in its block; the training example evaluated and
+    /// paid; a 3-rank group over its private channel; a worker killed mid-run and its job
+    /// placed again. Exits 0 only if every step happened; stops every node and removes
+    /// its files (as root: programs run in the sandbox).
+    Demo {
+        /// Number of nodes (at least 5).
+        #[arg(long, default_value_t = 5)]
+        nodes: usize,
+        /// Keep the testnet's data and the jobs' files here instead of removing them
+        /// (must not exist yet).
+        #[arg(long)]
+        keep: Option<PathBuf>,
+    },
     /// Start N nodes on loopback, print where their APIs are, and stop them all on Ctrl-C.
     Up {
         /// Number of nodes.

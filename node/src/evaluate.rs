@@ -276,7 +276,9 @@ fn run(
             rights: OutputRights::Exclusive,
         }],
         resources: Resources {
-            cpu_millicores: 1000,
+            // One core, or what the owner allows where that is less (a node that offers
+            // half a core still scores what it asked for).
+            cpu_millicores: executor.limits().cpu_millicores.clamp(1, 1000) as u32,
             memory_bytes: terms.limits.memory_bytes,
             swap_bytes: 0,
             processes: 64,

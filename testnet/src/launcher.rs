@@ -316,8 +316,41 @@ fn dial_addr(info: &NodeInfo) -> anyhow::Result<String> {
 /// it). Returns how many nodes were signalled.
 pub fn down(dir: &Path) -> anyhow::Result<usize> {
     let pids = live_pids(dir)?;
-    for pid in &pids {
-        // A paused node takes the signal once it goes on.
+    terminate(&pids);
+    let _ = fs::remove_file(dir.join("testnet.json"));
+    Ok(pids.len())
+}
+
+/// Stops every node of the testnet in `dir`, those in its record (as [`down`] does) and
+/// any started before the record was written (a testnet interrupted while it starts):
+/// every process whose command line names a data directory under `dir`. Returns how many
+/// were signalled.
+pub fn stop_under(dir: &Path) -> usize {
+    let recorded = down(dir).unwrap_or(0);
+    let needle = format!("{}/node-", dir.display());
+    let pids: Vec<u32> = fs::read_dir("/proc")
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|pid| {
+                    fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                        String::from_utf8_lossy(&c)
+                            .replace('\0', " ")
+                            .contains(&needle)
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    terminate(&pids);
+    recorded + pids.len()
+}
+
+/// SIGTERM to each of `pids` (and SIGCONT: a paused node takes the signal once it goes
+/// on), then SIGKILL to those still running after five seconds.
+fn terminate(pids: &[u32]) {
+    for pid in pids {
         let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
         let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGCONT);
     }
@@ -325,13 +358,11 @@ pub fn down(dir: &Path) -> anyhow::Result<usize> {
     while Instant::now() < deadline && pids.iter().any(|p| alive(*p)) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    for pid in &pids {
+    for pid in pids {
         if alive(*pid) {
             let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
         }
     }
-    let _ = fs::remove_file(dir.join("testnet.json"));
-    Ok(pids.len())
 }
 
 /// A fault given to one node of a running testnet, by signal: what a crash, a hung

@@ -4,6 +4,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod bench;
+pub mod demo;
 pub mod launcher;
 pub mod scenario;
 pub mod sim;

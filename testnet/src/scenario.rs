@@ -227,9 +227,9 @@ fn within(v: &Option<String>, default_s: u64) -> anyhow::Result<Duration> {
     })
 }
 
-/// Waits up to `limit` for `check` to say `Some`; the last `Err` or `None` explains a
-/// timeout.
-fn wait<T>(
+/// Waits up to `limit` for `check` to say `Some`, polling every 200 ms; the last `Err`
+/// or `None` explains a timeout.
+pub(crate) fn wait<T>(
     limit: Duration,
     what: &str,
     mut check: impl FnMut() -> anyhow::Result<Option<T>>,

@@ -24,16 +24,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             };
             // Signals are caught from the start: a Ctrl-C while the nodes start (or right
             // after the line that mentions it) must stop them, not kill this process alone.
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let (mut int, mut term) = runtime.block_on(async {
-                use tokio::signal::unix::{SignalKind, signal};
-                anyhow::Ok((
-                    signal(SignalKind::interrupt())?,
-                    signal(SignalKind::terminate())?,
-                ))
-            })?;
+            let (runtime, mut int, mut term) = signals()?;
             out!("starting {nodes} nodes in {} ...", dir.display())?;
             // Progress on standard error while they start (none off a terminal).
             let bar = {
@@ -91,6 +82,74 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             } else {
                 out!("stopped")?;
             }
+            Ok(())
+        }
+        TestnetCommand::Demo { nodes, keep } => {
+            use cannabis_testnet::demo::{self, DemoOptions};
+            if let Some(k) = &keep {
+                anyhow::ensure!(
+                    !k.exists(),
+                    "{} exists: --keep wants a new directory",
+                    k.display()
+                );
+            }
+            let dir = match &keep {
+                Some(k) => k.clone(),
+                None => std::env::temp_dir().join(format!("cannabis-demo-{}", std::process::id())),
+            };
+            let opts = DemoOptions {
+                binary,
+                dir: dir.clone(),
+                nodes,
+            };
+            // Ctrl-C (or SIGTERM) stops the nodes and removes the files before exiting:
+            // the steps run on this thread, the signals are awaited on another, which
+            // alone ends the process once it has begun (a step failing as the nodes stop
+            // waits for it here).
+            let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            {
+                let flag = interrupted.clone();
+                let (dir, keep) = (dir.clone(), keep.is_some());
+                let (runtime, mut int, mut term) = signals()?;
+                std::thread::spawn(move || {
+                    runtime.block_on(async {
+                        tokio::select! {
+                            _ = int.recv() => {}
+                            _ = term.recv() => {}
+                        }
+                    });
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    launcher::stop_under(&dir.join("net"));
+                    if !keep {
+                        let _ = std::fs::remove_dir_all(&dir);
+                    }
+                    eprintln!("interrupted: every node of the demo stopped");
+                    std::process::exit(130);
+                });
+            }
+            let r = demo::run(&opts, &mut |line| {
+                if !interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+                    let _ = out!("{line}");
+                }
+            });
+            while interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::park();
+            }
+            if keep.is_none() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            let took = r?;
+            let total: f64 = took.iter().map(Duration::as_secs_f64).sum();
+            out!(
+                "\nevery step happened ({} of {}) in {total:.0} s; every node stopped{}",
+                took.len(),
+                demo::STEPS.len(),
+                if keep.is_some() {
+                    format!(", files kept in {}", dir.display())
+                } else {
+                    ", files removed".into()
+                }
+            )?;
             Ok(())
         }
         TestnetCommand::Sim {
@@ -603,6 +662,26 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             Ok(())
         }
     }
+}
+
+/// A runtime to await them on, and SIGINT and SIGTERM caught from now on (instead of
+/// ending this process at once).
+fn signals() -> anyhow::Result<(
+    tokio::runtime::Runtime,
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+)> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (int, term) = runtime.block_on(async {
+        anyhow::Ok((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        ))
+    })?;
+    Ok((runtime, int, term))
 }
 
 /// Publish-to-receipt times, µs, as a table cell.

@@ -5,6 +5,7 @@ mod cli;
 mod confidential;
 mod dashboard;
 mod delivery;
+mod demo;
 mod disk;
 mod evaluate;
 mod exec;
