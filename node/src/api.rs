@@ -172,6 +172,7 @@ pub fn serve(listener: tokio::net::TcpListener, node: NodeHandle, token: String)
         .route("/v1/leases", get(leases))
         .route("/v1/testnet/partition", post(partition))
         .route("/v1/testnet/corrupt", post(corrupt))
+        .route("/v1/testnet/slow", post(slow))
         .route("/v1/ledger", get(ledger_status))
         .route("/v1/ledger/blocks", get(ledger_blocks))
         .route("/v1/ledger/blocks/{height}", get(ledger_block))
@@ -490,6 +491,23 @@ async fn corrupt(
 ) -> Result<Json<api::Corrupt>, Error> {
     s.node
         .corrupt(body.on)
+        .await
+        .map(|_| Json(body))
+        .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))
+}
+
+async fn slow(
+    State(s): State<AppState>,
+    Json(body): Json<api::Slow>,
+) -> Result<Json<api::Slow>, Error> {
+    if body.loss_ppm > 1_000_000 || body.delay_ms > 60_000 {
+        return Err(Error(
+            StatusCode::BAD_REQUEST,
+            "delay_ms is at most 60000 and loss_ppm at most 1000000".into(),
+        ));
+    }
+    s.node
+        .slow(body.clone())
         .await
         .map(|_| Json(body))
         .map_err(|e| Error(StatusCode::BAD_REQUEST, format!("{e:#}")))

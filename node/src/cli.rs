@@ -652,6 +652,23 @@ pub(crate) enum TestnetCommand {
         #[arg(long, default_value = ".testnet")]
         dir: PathBuf,
     },
+    /// Make a node's links slow and lossy: every byte it receives on TCP is held
+    /// `--delay`, and a share `--loss` of them a retransmission timeout (200 ms) more, as
+    /// TCP turns loss into lateness. `--delay 0 --loss 0` makes them plain again.
+    /// Enforced in the node, on a testnet only.
+    Slow {
+        /// The node's index.
+        node: usize,
+        /// Added delay, milliseconds (at most 60000).
+        #[arg(long, default_value_t = 0)]
+        delay: u64,
+        /// Share of the received data lost, from 0 to 1 (0.05 is 5%).
+        #[arg(long, default_value_t = 0.0)]
+        loss: f64,
+        /// Directory of the testnet's data.
+        #[arg(long, default_value = ".testnet")]
+        dir: PathBuf,
+    },
     /// End a partition: every node may connect to every other again.
     Heal {
         /// Directory of the testnet's data.

@@ -109,6 +109,8 @@ pub(crate) enum Command {
     Partition(Vec<PeerId>, oneshot::Sender<anyhow::Result<usize>>),
     /// On a testnet: deliver wrong outputs (a fabricating worker), or stop doing so.
     Corrupt(bool, oneshot::Sender<anyhow::Result<()>>),
+    /// A testnet fault: every TCP link of this node delayed and lossy (zero: plain).
+    Slow(api::Slow, oneshot::Sender<anyhow::Result<()>>),
     JudgeJob(
         cannabis_protocol::Uuid,
         api::Verdict,
@@ -334,6 +336,8 @@ pub(crate) struct Node {
     partitioned: std::collections::HashSet<PeerId>,
     /// A testnet fault: this node's deliveries carry wrong outputs (`testnet corrupt`).
     corrupt: Arc<std::sync::atomic::AtomicBool>,
+    /// A testnet fault: this node's TCP links are slow and lossy (`testnet slow`).
+    shaping: swarm::shaping::Shaping,
     /// Peers a healed partition let back: asked for the live market when they connect
     /// (what was gossiped on their side meanwhile).
     resync: std::collections::HashSet<PeerId>,
@@ -437,7 +441,8 @@ pub async fn start(
     let store = Arc::new(Store::open(&data_dir.join("node.redb"))?);
     let libp2p_key = libp2p::identity::Keypair::ed25519_from_bytes(*keys.signing.secret())
         .context("turning the node key into a libp2p identity")?;
-    let mut swarm = swarm::build(libp2p_key, &config)?;
+    let shaping = swarm::shaping::Shaping::default();
+    let mut swarm = swarm::build(libp2p_key, &config, &shaping)?;
     for addr in &config.listen {
         swarm
             .listen_on(addr.clone())
@@ -531,6 +536,7 @@ pub async fn start(
         blocked: std::collections::VecDeque::new(),
         partitioned: std::collections::HashSet::new(),
         corrupt,
+        shaping,
         resync: std::collections::HashSet::new(),
         metrics: metrics.clone(),
         software: None,
@@ -1113,6 +1119,22 @@ impl Node {
                 let _ = reply.send(if self.market_config.attestation.testnet {
                     self.corrupt.store(on, std::sync::atomic::Ordering::Relaxed);
                     warn!(on, "testnet fault: deliveries carry wrong outputs");
+                    Ok(())
+                } else {
+                    Err(anyhow::anyhow!(
+                        "only a testnet node (`node run --testnet`) takes this fault"
+                    ))
+                });
+            }
+            Command::Slow(slow, reply) => {
+                let _ = reply.send(if self.market_config.attestation.testnet {
+                    self.shaping
+                        .set(Duration::from_millis(slow.delay_ms), slow.loss_ppm);
+                    warn!(
+                        delay_ms = slow.delay_ms,
+                        loss_ppm = slow.loss_ppm,
+                        "testnet fault: inbound bytes held on every TCP link"
+                    );
                     Ok(())
                 } else {
                     Err(anyhow::anyhow!(

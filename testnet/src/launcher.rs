@@ -616,12 +616,41 @@ fn tell_partition(
     Ok(())
 }
 
+/// Makes node `index`'s TCP links slow and lossy: its inbound bytes held `delay_ms`, a
+/// share `loss_ppm` (parts per million) of them a retransmission timeout more; both zero
+/// for a plain link again. Enforced in the node, on a testnet only (see
+/// `node/src/swarm/shaping.rs`).
+pub fn slow(dir: &Path, index: usize, delay_ms: u64, loss_ppm: u32) -> anyhow::Result<()> {
+    tell::<cannabis_api::Slow>(
+        dir,
+        index,
+        "/v1/testnet/slow",
+        &cannabis_api::Slow { delay_ms, loss_ppm },
+    )
+}
+
 /// Makes node `index` of the testnet in `dir` deliver wrong outputs (`on`), as a worker
 /// that fabricates results would, or right ones again. Enforced in the node: the first
 /// byte of each output is flipped before it is hashed and sealed, so its signed manifest
 /// pins the wrong bytes and only a check of the content (Freivalds' for a synthetic task,
 /// a spot check's re-run for any other) finds it out.
 pub fn corrupt(dir: &Path, index: usize, on: bool) -> anyhow::Result<()> {
+    tell::<cannabis_api::Corrupt>(
+        dir,
+        index,
+        "/v1/testnet/corrupt",
+        &cannabis_api::Corrupt { on },
+    )
+}
+
+/// Posts a testnet fault's `body` to `path` on running node `index` of the testnet in
+/// `dir`.
+fn tell<B: Serialize + serde::de::DeserializeOwned>(
+    dir: &Path,
+    index: usize,
+    path: &str,
+    body: &B,
+) -> anyhow::Result<()> {
     let record = read_record(dir)?;
     node_of(&record, dir, index)?;
     let node = &record.nodes[index];
@@ -631,7 +660,7 @@ pub fn corrupt(dir: &Path, index: usize, on: bool) -> anyhow::Result<()> {
         dir.display()
     );
     ApiClient::from_data_dir(&node.data_dir)?
-        .post::<_, cannabis_api::Corrupt>("/v1/testnet/corrupt", &cannabis_api::Corrupt { on })
+        .post::<_, B>(path, body)
         .with_context(|| format!("telling node {index}"))?;
     Ok(())
 }

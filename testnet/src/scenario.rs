@@ -109,6 +109,17 @@ pub enum Step {
         #[serde(default)]
         off: bool,
     },
+    /// Make a node's links slow and lossy (`testnet slow`); zero for both: plain again.
+    Slow {
+        /// The node.
+        node: NodeRef,
+        /// Added delay (`300ms`; default none).
+        #[serde(default)]
+        delay: Option<String>,
+        /// Share of the received data lost, 0 to 1 (default 0).
+        #[serde(default)]
+        loss: f64,
+    },
     /// Wait.
     Sleep {
         /// How long (`2s`).
@@ -384,6 +395,19 @@ impl Run<'_> {
                 } else {
                     format!("node {i} delivers wrong outputs")
                 })
+            }
+            Step::Slow { node, delay, loss } => {
+                let i = self.node(node)?;
+                let ms = match delay {
+                    Some(d) => parse_duration_ms(d).map_err(|e| anyhow::anyhow!("{e}"))?,
+                    None => 0,
+                };
+                anyhow::ensure!((0.0..=1.0).contains(loss), "loss is a share from 0 to 1");
+                launcher::slow(self.dir, i, ms, (loss * 1e6).round() as u32)?;
+                Ok(format!(
+                    "node {i}: {ms} ms of delay, {:.2}% loss",
+                    loss * 100.0
+                ))
             }
             Step::Sleep { time } => {
                 let ms = parse_duration_ms(time).map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -726,6 +726,18 @@ pub struct Corrupt {
     pub on: bool,
 }
 
+/// `POST /v1/testnet/slow` (testnet nodes only): every TCP link of the node has its
+/// inbound bytes held `delay_ms` (at most 60,000), and a share `loss_ppm` (parts per
+/// million) of them a retransmission timeout more, as TCP turns loss into lateness; both
+/// zero for a plain link again.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slow {
+    /// Delay, milliseconds.
+    pub delay_ms: u64,
+    /// Loss, parts per million.
+    pub loss_ppm: u32,
+}
+
 /// `POST /v1/ledger/submit`: a transaction signed elsewhere (by a key this node does not
 /// hold, such as the network's resolver), for the node to hand its sequencer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -418,6 +418,29 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             }
             Ok(())
         }
+        TestnetCommand::Slow {
+            node,
+            delay,
+            loss,
+            dir,
+        } => {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&loss),
+                "--loss is a share from 0 to 1 (0.05 is 5%)"
+            );
+            anyhow::ensure!(delay <= 60_000, "--delay is at most 60000 ms");
+            launcher::slow(&dir, node, delay, (loss * 1e6).round() as u32)?;
+            if delay == 0 && loss == 0.0 {
+                out!("node {node}'s links are plain again")?;
+            } else {
+                out!(
+                    "node {node} now receives every byte {delay} ms late, and {:.2}% of them \
+                     a retransmission timeout later still",
+                    loss * 100.0
+                )?;
+            }
+            Ok(())
+        }
         TestnetCommand::Heal { dir } => {
             launcher::heal(&dir)?;
             out!("healed: every node may connect to every other again")?;

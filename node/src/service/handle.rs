@@ -259,6 +259,11 @@ impl NodeHandle {
         self.ask(|tx| Command::Corrupt(on, tx)).await?
     }
 
+    /// On a testnet: every TCP link of this node delayed and lossy, or plain again.
+    pub async fn slow(&self, slow: api::Slow) -> anyhow::Result<()> {
+        self.ask(|tx| Command::Slow(slow, tx)).await?
+    }
+
     /// Accepts or disputes what a job delivered.
     pub async fn judge_job(
         &self,

@@ -215,3 +215,62 @@ fn a_partition_stops_gossip_across_it_and_heal_restores_it() {
     }
     drop(net);
 }
+
+/// Round trips from `from` to `to`'s node, µs, sorted.
+fn pings(from: &Path, to: &Path, count: u32) -> Vec<u64> {
+    let peer = client(to).status().unwrap().peer_id;
+    let mut rtt = client(from).ping(&peer, count).unwrap().rtt_us;
+    assert_eq!(rtt.len(), count as usize);
+    rtt.sort_unstable();
+    rtt
+}
+
+#[test]
+fn slow_delays_and_loses_a_nodes_traffic_until_made_plain_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let net_dir = dir.path().join("net");
+    let net = Testnet::up(&net_dir, 3);
+    let nodes = net.nodes();
+    let cli = dir.path().join("cli");
+    wait_peers(&nodes[0], 2);
+    let plain = pings(&nodes[0], &nodes[1], 5);
+
+    let out = testnet(&cli, &net_dir, &["slow", "1", "--delay", "300"]);
+    assert!(out.contains("300 ms late"), "{out}");
+    // Every round trip through node 1 now takes the delay more, on the connection it
+    // already had.
+    let slowed = pings(&nodes[0], &nodes[1], 5);
+    assert!(slowed[0] >= 300_000, "plain {plain:?}, slowed {slowed:?}");
+    // Node 2's links are untouched.
+    let other = pings(&nodes[0], &nodes[2], 5);
+    assert!(other[2] < 300_000, "{other:?}");
+
+    // Half the data lost: some round trips wait a retransmission timeout.
+    testnet(&cli, &net_dir, &["slow", "1", "--loss", "0.5"]);
+    let lossy = pings(&nodes[0], &nodes[1], 20);
+    assert!(lossy[19] >= 200_000, "{lossy:?}");
+
+    testnet(
+        &cli,
+        &net_dir,
+        &["slow", "1", "--delay", "0", "--loss", "0"],
+    );
+    let again = pings(&nodes[0], &nodes[1], 5);
+    assert!(again[2] < 150_000, "plain again: {again:?}");
+
+    // A share outside 0..1 is refused before anything changes.
+    let o = cannabis(
+        &cli,
+        &[
+            "testnet",
+            "slow",
+            "1",
+            "--loss",
+            "5",
+            "--dir",
+            net_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("from 0 to 1"));
+}

@@ -66,6 +66,11 @@ fn the_paused_worker_scenario_passes() {
 }
 
 #[test]
+fn the_slow_links_scenario_passes() {
+    shipped("slow-links.toml");
+}
+
+#[test]
 fn the_fabricating_worker_scenario_passes() {
     shipped("fabricating-worker.toml");
 }
