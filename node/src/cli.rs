@@ -547,6 +547,28 @@ pub(crate) enum MarketCommand {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum TestnetCommand {
+    /// Draw the figures of docs/benchmarks.md: offer propagation (p50, p99) and the
+    /// request-response round trip against network size, each size a fresh testnet of
+    /// real processes (`testnet bench`); and the offers per second the simulated market
+    /// sustains against its number of nodes (`testnet sim --find-capacity`). Writes SVG
+    /// charts and their data (JSON). Use a release build: minutes of work.
+    Plot {
+        /// Where to write propagation.svg, sim-capacity.svg and plots.json.
+        #[arg(long, default_value = "docs/plots")]
+        out: PathBuf,
+        /// Testnet sizes to measure propagation at (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "10,50,100")]
+        sizes: Vec<usize>,
+        /// Offers each testnet publishes.
+        #[arg(long, default_value_t = 20)]
+        offers: usize,
+        /// Simulated network sizes to find the capacity of (comma-separated; none: skip).
+        #[arg(long, value_delimiter = ',', default_value = "100,300,1000,3000")]
+        sim_nodes: Vec<usize>,
+        /// Directory for the testnets' data (emptied first).
+        #[arg(long, default_value = ".testnet-plot")]
+        dir: PathBuf,
+    },
     /// Jobs through the real system, step by step: a testnet of real nodes (a ledger
     /// sequencer, workers of different cores and prices, a requester) in a fresh
     /// directory; a faucet grant; a synthetic job from bids to settlement; a

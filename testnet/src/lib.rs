@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod demo;
 pub mod launcher;
+pub mod plot;
 pub mod scenario;
 pub mod sim;
 pub mod stats;

@@ -84,6 +84,13 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             }
             Ok(())
         }
+        TestnetCommand::Plot {
+            out,
+            sizes,
+            offers,
+            sim_nodes,
+            dir,
+        } => plot(&binary, &out, &sizes, offers, &sim_nodes, &dir),
         TestnetCommand::Demo { nodes, keep } => {
             use cannabis_testnet::demo::{self, DemoOptions};
             if let Some(k) = &keep {
@@ -820,6 +827,150 @@ fn print_sim(report: &sim::SimReport, wall: Duration) -> anyhow::Result<()> {
         ),
     ])?;
     Ok(())
+}
+
+/// `testnet plot`: propagation against testnet size and the simulator's capacity against
+/// its number of nodes, as charts and data.
+fn plot(
+    binary: &std::path::Path,
+    out_dir: &std::path::Path,
+    sizes: &[usize],
+    offers: usize,
+    sim_nodes: &[usize],
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    use cannabis_testnet::plot::{self, Chart, Series};
+    anyhow::ensure!(
+        sizes.iter().all(|n| *n >= 2),
+        "each testnet size is at least 2"
+    );
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let mut propagation = Vec::new();
+    for &nodes in sizes {
+        if dir.exists() {
+            launcher::down(dir)?;
+            std::fs::remove_dir_all(dir).with_context(|| format!("emptying {}", dir.display()))?;
+        }
+        out!("testnet of {nodes} nodes: {offers} offers ...")?;
+        let r = bench::run(&BenchOptions {
+            testnet: TestnetOptions {
+                binary: binary.to_path_buf(),
+                dir: dir.to_path_buf(),
+                nodes,
+                ready_timeout: Duration::from_secs(60),
+            },
+            offers,
+            interval: Duration::from_millis(100),
+            pings: 200,
+            hostile: None,
+            transfer_bytes: 0,
+            channel_bytes: 0,
+        })?;
+        out!(
+            "  propagation p50 {} p99 {}, request-response p50 {}, {} of {} receipts",
+            ms(r.propagation_us.p50),
+            ms(r.propagation_us.p99),
+            ms(r.request_response_rtt_us.p50),
+            r.receipts_seen,
+            r.receipts_expected
+        )?;
+        propagation.push(serde_json::json!({
+            "nodes": nodes,
+            "propagation_us": r.propagation_us,
+            "request_response_rtt_us": r.request_response_rtt_us,
+            "receipts_seen": r.receipts_seen,
+            "receipts_expected": r.receipts_expected,
+        }));
+    }
+    if dir.exists() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let mut capacity = Vec::new();
+    let costs = sim::Costs::calibrated()?;
+    for &nodes in sim_nodes {
+        out!("simulated market of {nodes} nodes: finding its capacity ...")?;
+        let steps = sim::find_capacity(nodes, 10, &costs, &|_| {}, 1, |_| {})?;
+        let best = steps
+            .iter()
+            .filter(|s| s.placed_share >= sim::SUSTAINED)
+            .max_by(|a, b| a.rate.total_cmp(&b.rate));
+        let rate = best.map_or(0.0, |s| s.rate);
+        out!("  {rate:.0} offers/s with at least 95% placed")?;
+        capacity.push(serde_json::json!({ "nodes": nodes, "offers_per_s": rate }));
+    }
+
+    let point = |v: &serde_json::Value, key: &str, field: &str| {
+        (
+            v["nodes"].as_f64().unwrap_or_default(),
+            v[key][field].as_f64().unwrap_or_default() / 1000.0,
+        )
+    };
+    let series = |name: &str, key: &str, field: &str| Series {
+        name: name.into(),
+        points: propagation.iter().map(|v| point(v, key, field)).collect(),
+    };
+    let written = |name: &str, text: String| -> anyhow::Result<()> {
+        let path = out_dir.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        out!("wrote {}", path.display())?;
+        Ok(())
+    };
+    if !propagation.is_empty() {
+        written(
+            "propagation.svg",
+            plot::svg(
+                &Chart {
+                    title: "Offer propagation on a loopback testnet of real processes".into(),
+                    x_label: "node processes".into(),
+                    y_label: "milliseconds".into(),
+                    log_x: true,
+                    log_y: true,
+                },
+                &[
+                    series("propagation p99", "propagation_us", "p99"),
+                    series("propagation p50", "propagation_us", "p50"),
+                    series("direct round trip p50", "request_response_rtt_us", "p50"),
+                ],
+            ),
+        )?;
+    }
+    if !capacity.is_empty() {
+        written(
+            "sim-capacity.svg",
+            plot::svg(
+                &Chart {
+                    title: "Offers per second the simulated market sustains (95% placed)".into(),
+                    x_label: "nodes".into(),
+                    y_label: "offers per second".into(),
+                    log_x: true,
+                    log_y: true,
+                },
+                &[Series {
+                    name: "capacity".into(),
+                    points: capacity
+                        .iter()
+                        .map(|v| {
+                            (
+                                v["nodes"].as_f64().unwrap_or_default(),
+                                v["offers_per_s"].as_f64().unwrap_or_default(),
+                            )
+                        })
+                        .collect(),
+                }],
+            ),
+        )?;
+    }
+    written(
+        "plots.json",
+        serde_json::to_string_pretty(&serde_json::json!({
+            "propagation": propagation,
+            "capacity": capacity,
+        }))?,
+    )
+}
+
+fn ms(us: u64) -> String {
+    format!("{:.2} ms", us as f64 / 1000.0)
 }
 
 /// `testnet sim --find-capacity`: the highest rate the network sustains.
