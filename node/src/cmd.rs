@@ -58,10 +58,11 @@ pub(crate) fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// `--data-dir`, else `$XDG_DATA_HOME/cannabis`, else `~/.local/share/cannabis`.
+/// `--data-dir`, else `$XDG_DATA_HOME/cannabis`, else `~/.local/share/cannabis`; made
+/// absolute (the node hands paths under it to processes that start elsewhere).
 fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Some(dir) = flag {
-        return Ok(dir);
+        return std::path::absolute(&dir).with_context(|| format!("--data-dir {}", dir.display()));
     }
     if let Some(xdg) = std::env::var_os("XDG_DATA_HOME").filter(|v| !v.is_empty()) {
         return Ok(PathBuf::from(xdg).join("cannabis"));

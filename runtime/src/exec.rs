@@ -178,6 +178,10 @@ impl Executor {
     /// every attempt it holds (running ones are found again, or marked unknown).
     pub fn open(mut cfg: ExecutorConfig, journal: Arc<dyn Journal>) -> Result<Self, ExecError> {
         let as_root = nix::unistd::geteuid().is_root();
+        // Every path under it is handed to processes that start in `/` (the zygote, the
+        // sandboxes): a relative one would name nothing there.
+        cfg.dir = std::path::absolute(&cfg.dir)
+            .map_err(|e| ExecError::Unavailable(format!("{}: {e}", cfg.dir.display())))?;
         fs::create_dir_all(cfg.dir.join("attempts"))
             .map_err(|e| ExecError::Unavailable(format!("{}: {e}", cfg.dir.display())))?;
         if as_root {

@@ -114,3 +114,33 @@ impl Restarted {
         )
     }
 }
+
+/// A testnet started in a relative directory, as the testnet guide's `--dir .testnet`:
+/// its nodes take work. (Their executors once looked for their pinned binary by a path
+/// relative to `/`, where the sandbox zygote starts, and every node advertised nothing.)
+#[test]
+fn a_testnet_in_a_relative_directory_takes_work() {
+    use std::io::{BufRead as _, BufReader};
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: the nodes' executors run sandboxes only as root");
+        return;
+    }
+    let dir = super::exec::open_dir();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .args(["testnet", "up", "--nodes", "2", "--dir", "relative"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    for line in BufReader::new(up.stdout.take().unwrap()).lines() {
+        if line.unwrap().contains("Ctrl-C") {
+            break;
+        }
+    }
+    let net = Testnet {
+        dir: dir.path().join("relative"),
+        up,
+    };
+    wait_for_workers(&net.dir.join("node-0"), 2);
+}
