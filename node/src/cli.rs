@@ -754,6 +754,11 @@ pub(crate) enum TestnetCommand {
         /// against the same client and server over a direct loopback connection (0: skip).
         #[arg(long, default_value_t = 64, value_name = "MIB")]
         channel_mib: u64,
+        /// Then, with the testnet stopped, the sandbox's start-up against a plain spawn and
+        /// bubblewrap (`exec bench`) and the ledger's durable transactions per second
+        /// (`ledger bench`), each as that command measures it.
+        #[arg(long)]
+        all: bool,
         #[command(flatten)]
         format: Format,
     },

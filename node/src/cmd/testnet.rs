@@ -524,6 +524,7 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             only,
             transfer_mib,
             channel_mib,
+            all,
             format,
         } => {
             if dir.exists() {
@@ -555,8 +556,20 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                     .context("--channel-mib is too large")?,
             };
             let r = bench::run(&opts)?;
+            // The figures two other commands measure, each as it measures them, after the
+            // testnet has stopped (they time the machine, which its nodes would share).
+            let others = if all {
+                Some(node_free_figures(&opts.testnet.binary, &opts.testnet.dir)?)
+            } else {
+                None
+            };
             if format.json {
-                return output::json(&r);
+                let mut v = serde_json::to_value(&r)?;
+                if let Some((sandbox, ledger)) = others {
+                    v["sandbox"] = sandbox;
+                    v["ledger"] = ledger;
+                }
+                return output::json(&v);
             }
             let ms = |us: u64| format!("{:.3} ms", us as f64 / 1e3);
             output::table(&[
@@ -685,6 +698,33 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                         format!(
                             "{} of {} nodes hold every honest node's ad",
                             h.nodes_holding_every_ad, r.nodes
+                        ),
+                    ),
+                ])?;
+            }
+            if let Some((sandbox, ledger)) = others {
+                let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+                let b = &sandbox["back_to_back"];
+                output::table(&[
+                    (
+                        "sandbox start",
+                        format!(
+                            "{:.2} ms against a plain spawn's {:.2} ms and bubblewrap's {} (medians of {}, back to back; `exec bench`)",
+                            f(&b["ours"]),
+                            f(&b["plain"]),
+                            b["bwrap"]
+                                .as_f64()
+                                .map_or("- (not installed)".into(), |x| format!("{x:.2} ms")),
+                            sandbox["runs"]
+                        ),
+                    ),
+                    (
+                        "ledger",
+                        format!(
+                            "{:.0} durable transactions/s ({} transfers in {} blocks; `ledger bench`)",
+                            f(&ledger["tx_per_s"]),
+                            ledger["txs"],
+                            ledger["blocks"]
                         ),
                     ),
                 ])?;
@@ -827,6 +867,38 @@ fn print_sim(report: &sim::SimReport, wall: Duration) -> anyhow::Result<()> {
         ),
     ])?;
     Ok(())
+}
+
+/// `exec bench --json` and `ledger bench --json` (in `dir/ledger-bench`), run as their
+/// own commands: the sandbox's start-up and the ledger's durable throughput.
+fn node_free_figures(
+    binary: &std::path::Path,
+    dir: &std::path::Path,
+) -> anyhow::Result<(serde_json::Value, serde_json::Value)> {
+    let run = |args: &[&std::ffi::OsStr]| -> anyhow::Result<serde_json::Value> {
+        let o = std::process::Command::new(binary)
+            .args(args)
+            .output()
+            .context("running cannabis")?;
+        anyhow::ensure!(
+            o.status.success(),
+            "cannabis {:?}: {}",
+            args,
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+        Ok(serde_json::from_slice(&o.stdout)?)
+    };
+    let sandbox = run(&["exec", "bench", "--json"].map(std::ffi::OsStr::new))?;
+    let ledger_dir = dir.join("ledger-bench");
+    let ledger = run(&[
+        "ledger".as_ref(),
+        "bench".as_ref(),
+        "--json".as_ref(),
+        "--dir".as_ref(),
+        ledger_dir.as_os_str(),
+    ])?;
+    let _ = std::fs::remove_dir_all(&ledger_dir);
+    Ok((sandbox, ledger))
 }
 
 /// `testnet plot`: propagation against testnet size and the simulator's capacity against
