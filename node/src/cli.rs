@@ -556,15 +556,20 @@ pub(crate) enum TestnetCommand {
         /// Where to write propagation.svg, sim-capacity.svg and plots.json.
         #[arg(long, default_value = "docs/plots")]
         out: PathBuf,
-        /// Testnet sizes to measure propagation at (comma-separated).
-        #[arg(long, value_delimiter = ',', default_value = "10,50,100")]
+        /// Testnet sizes to measure propagation at (comma-separated; `--sizes` alone:
+        /// none).
+        #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "10,50,100")]
         sizes: Vec<usize>,
         /// Offers each testnet publishes.
         #[arg(long, default_value_t = 20)]
         offers: usize,
-        /// Simulated network sizes to find the capacity of (comma-separated; none: skip).
-        #[arg(long, value_delimiter = ',', default_value = "100,300,1000,3000")]
+        /// Simulated network sizes to find the capacity of (comma-separated; `--sim-nodes`
+        /// alone: none).
+        #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "100,1000")]
         sim_nodes: Vec<usize>,
+        /// Seconds of virtual time each capacity step publishes for (at least 4).
+        #[arg(long, default_value_t = 4)]
+        duration: u64,
         /// Directory for the testnets' data (emptied first).
         #[arg(long, default_value = ".testnet-plot")]
         dir: PathBuf,

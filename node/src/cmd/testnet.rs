@@ -90,7 +90,8 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
             offers,
             sim_nodes,
             dir,
-        } => plot(&binary, &out, &sizes, offers, &sim_nodes, &dir),
+            duration,
+        } => plot(&binary, &out, &sizes, offers, &sim_nodes, duration, &dir),
         TestnetCommand::Demo { nodes, keep } => {
             use cannabis_testnet::demo::{self, DemoOptions};
             if let Some(k) = &keep {
@@ -909,6 +910,7 @@ fn plot(
     sizes: &[usize],
     offers: usize,
     sim_nodes: &[usize],
+    duration: u64,
     dir: &std::path::Path,
 ) -> anyhow::Result<()> {
     use cannabis_testnet::plot::{self, Chart, Series};
@@ -961,7 +963,14 @@ fn plot(
     let costs = sim::Costs::calibrated()?;
     for &nodes in sim_nodes {
         out!("simulated market of {nodes} nodes: finding its capacity ...")?;
-        let steps = sim::find_capacity(nodes, 10, &costs, &|_| {}, 1, |_| {})?;
+        let steps = sim::find_capacity(nodes, duration, &costs, &|_| {}, 1, |s| {
+            let _ = out!(
+                "  {:>8.0} offers/s: {:5.1}% placed ({:.1} s)",
+                s.rate,
+                s.placed_share * 100.0,
+                s.wall_ms as f64 / 1000.0
+            );
+        })?;
         let best = steps
             .iter()
             .filter(|s| s.placed_share >= sim::SUSTAINED)
