@@ -890,8 +890,16 @@ enum Purpose {
         epoch: u64,
     },
     Renew(LeaseRenewal),
+    /// A bid, with the sends it has had: one whose connection dropped before an answer is
+    /// sent again (at most [`BID_SENDS`] in all) while it is valid.
+    Bid(Bid, Address, u8),
     Other(&'static str, Address),
 }
+
+/// How many times a bid is sent when no answer comes back (a connection closed under it,
+/// a peer that restarted): without a second send, one dropped connection was enough to
+/// leave a group one bid short.
+const BID_SENDS: u8 = 3;
 
 /// An offer published without a job: bids for it are kept and listed, nothing else.
 #[derive(Clone, Debug)]
@@ -1440,6 +1448,22 @@ impl Market {
                 // No answer: the lease timers decide.
             }
             (Purpose::Award { .. }, Ok(Answer::Ack)) => {}
+            (Purpose::Bid(bid, to, sends), Err(_))
+                if sends < BID_SENDS && bid.valid_until > self.now =>
+            {
+                self.send(
+                    to,
+                    Outbound::Bid(bid.clone()),
+                    Purpose::Bid(bid, to, sends + 1),
+                );
+            }
+            (Purpose::Bid(_, to, _), result) => {
+                self.event(MarketEvent::Answered {
+                    what: "bid",
+                    to,
+                    result,
+                });
+            }
             (Purpose::Other(what, to), result) => {
                 self.event(MarketEvent::Answered { what, to, result });
             }

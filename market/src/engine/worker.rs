@@ -67,8 +67,8 @@ impl Market {
                     self.event(MarketEvent::BidSent { job, task, price });
                     self.send(
                         requester,
-                        Outbound::Bid(bid),
-                        Purpose::Other("bid", requester),
+                        Outbound::Bid(bid.clone()),
+                        Purpose::Bid(bid, requester, 1),
                     );
                 }
                 Answer::Decline(decline) => {

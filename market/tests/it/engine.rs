@@ -959,3 +959,69 @@ fn a_struck_worker_is_passed_over_for_a_clean_one_unless_it_bids_under_half() {
         }
     }
 }
+
+/// A bid whose connection closed before an answer came is sent again while it is valid,
+/// at most three sends in all; then the worker is told it was not delivered. (One
+/// dropped connection left a 99-rank group one bid short on a 100-node testnet.)
+#[test]
+fn a_bid_whose_connection_drops_is_sent_again_while_valid() {
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
+    let worker = net.nodes[1].address();
+    // Everything but the worker's bids is delivered; each bid is taken out of the network.
+    let bid_sends = |net: &mut Net| -> Vec<OutboundId> {
+        let mut taken = Vec::new();
+        let mut n = 0;
+        while !net.queue.is_empty() && n < 10_000 {
+            n += 1;
+            match &net.queue[0] {
+                Envelope::Request { from, req, msg, .. }
+                    if *from == worker && matches!(**msg, Inbound::Bid(_)) =>
+                {
+                    taken.push(*req);
+                    net.queue.remove(0);
+                }
+                _ => net.deliver(0, T0, false),
+            }
+        }
+        taken
+    };
+    let first = bid_sends(&mut net);
+    assert_eq!(first.len(), 1, "one bid sent");
+    let mut req = first[0];
+    for send in 2..=3 {
+        net.nodes[1].market.handle(
+            T0,
+            cannabis_market::Input::Response {
+                req,
+                result: Err("Connection was closed before a response was received".into()),
+            },
+        );
+        net.drain(1, T0);
+        let again = bid_sends(&mut net);
+        assert_eq!(again.len(), 1, "send {send}: the bid went out again");
+        req = again[0];
+    }
+    // The third send is lost too: no fourth, and the worker hears of it.
+    net.nodes[1].market.handle(
+        T0,
+        cannabis_market::Input::Response {
+            req,
+            result: Err("closed".into()),
+        },
+    );
+    net.drain(1, T0);
+    assert!(bid_sends(&mut net).is_empty(), "sent a fourth time");
+    assert!(net.nodes[1].events.iter().any(|e| matches!(
+        e,
+        MarketEvent::Answered {
+            what: "bid",
+            result: Err(_),
+            ..
+        }
+    )));
+    assert_eq!(
+        net.nodes[0].market.job(&job).unwrap().tasks()[0].bid_count(),
+        0
+    );
+}
