@@ -565,7 +565,7 @@ pub(crate) enum TestnetCommand {
         offers: usize,
         /// Simulated network sizes to find the capacity of (comma-separated; `--sim-nodes`
         /// alone: none).
-        #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "100,1000")]
+        #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "25,50,100")]
         sim_nodes: Vec<usize>,
         /// Seconds of virtual time each capacity step publishes for (at least 4).
         #[arg(long, default_value_t = 4)]

@@ -959,27 +959,6 @@ fn plot(
     if dir.exists() {
         let _ = std::fs::remove_dir_all(dir);
     }
-    let mut capacity = Vec::new();
-    let costs = sim::Costs::calibrated()?;
-    for &nodes in sim_nodes {
-        out!("simulated market of {nodes} nodes: finding its capacity ...")?;
-        let steps = sim::find_capacity(nodes, duration, &costs, &|_| {}, 1, |s| {
-            let _ = out!(
-                "  {:>8.0} offers/s: {:5.1}% placed ({:.1} s)",
-                s.rate,
-                s.placed_share * 100.0,
-                s.wall_ms as f64 / 1000.0
-            );
-        })?;
-        let best = steps
-            .iter()
-            .filter(|s| s.placed_share >= sim::SUSTAINED)
-            .max_by(|a, b| a.rate.total_cmp(&b.rate));
-        let rate = best.map_or(0.0, |s| s.rate);
-        out!("  {rate:.0} offers/s with at least 95% placed")?;
-        capacity.push(serde_json::json!({ "nodes": nodes, "offers_per_s": rate }));
-    }
-
     let point = |v: &serde_json::Value, key: &str, field: &str| {
         (
             v["nodes"].as_f64().unwrap_or_default(),
@@ -1015,6 +994,27 @@ fn plot(
             ),
         )?;
     }
+    let mut capacity = Vec::new();
+    let costs = sim::Costs::calibrated()?;
+    for &nodes in sim_nodes {
+        out!("simulated market of {nodes} nodes: finding its capacity ...")?;
+        let steps = sim::find_capacity(nodes, duration, &costs, &|_| {}, 1, |s| {
+            let _ = out!(
+                "  {:>8.0} offers/s: {:5.1}% placed ({:.1} s)",
+                s.rate,
+                s.placed_share * 100.0,
+                s.wall_ms as f64 / 1000.0
+            );
+        })?;
+        let best = steps
+            .iter()
+            .filter(|s| s.placed_share >= sim::SUSTAINED)
+            .max_by(|a, b| a.rate.total_cmp(&b.rate));
+        let rate = best.map_or(0.0, |s| s.rate);
+        out!("  {rate:.0} offers/s with at least 95% placed")?;
+        capacity.push(serde_json::json!({ "nodes": nodes, "offers_per_s": rate }));
+    }
+
     if !capacity.is_empty() {
         written(
             "sim-capacity.svg",
