@@ -1217,6 +1217,14 @@ pub fn find_capacity(
     Ok(steps)
 }
 
+/// The highest rate of a [`find_capacity`] search that was sustained.
+pub fn sustained(steps: &[CapacityStep]) -> Option<&CapacityStep> {
+    steps
+        .iter()
+        .filter(|s| s.placed_share >= SUSTAINED)
+        .max_by(|a, b| a.rate.total_cmp(&b.rate))
+}
+
 /// Placement figures: one offer against many ads.
 #[derive(Clone, Debug, Serialize)]
 pub struct PlacementFigures {

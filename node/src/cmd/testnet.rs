@@ -1006,11 +1006,7 @@ fn plot(
                 s.wall_ms as f64 / 1000.0
             );
         })?;
-        let best = steps
-            .iter()
-            .filter(|s| s.placed_share >= sim::SUSTAINED)
-            .max_by(|a, b| a.rate.total_cmp(&b.rate));
-        let rate = best.map_or(0.0, |s| s.rate);
+        let rate = sim::sustained(&steps).map_or(0.0, |s| s.rate);
         out!("  {rate:.0} offers/s with at least 95% placed")?;
         capacity.push(serde_json::json!({ "nodes": nodes, "offers_per_s": rate }));
     }
@@ -1077,10 +1073,7 @@ fn capacity(
             );
         }
     })?;
-    let best = steps
-        .iter()
-        .filter(|s| s.placed_share >= sim::SUSTAINED)
-        .max_by(|a, b| a.rate.total_cmp(&b.rate));
+    let best = sim::sustained(&steps);
     if json {
         return output::json(&serde_json::json!({
             "nodes": nodes,

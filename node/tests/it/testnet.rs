@@ -12,10 +12,16 @@ pub(crate) struct Testnet {
 
 impl Testnet {
     pub(crate) fn up(dir: &Path, nodes: u32) -> Self {
+        Self::up_in(Path::new("."), dir, nodes)
+    }
+
+    /// [`Testnet::up`] run from `cwd` (`dir` may be relative to it).
+    pub(crate) fn up_in(cwd: &Path, dir: &Path, nodes: u32) -> Self {
         use std::io::{BufRead as _, BufReader};
         let mut up = Command::new(env!("CARGO_BIN_EXE_cannabis"))
             .args(["testnet", "up", "--nodes", &nodes.to_string(), "--dir"])
             .arg(dir)
+            .current_dir(cwd)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -26,7 +32,7 @@ impl Testnet {
             }
         }
         Self {
-            dir: dir.to_path_buf(),
+            dir: cwd.join(dir),
             up,
         }
     }
@@ -120,27 +126,11 @@ impl Restarted {
 /// relative to `/`, where the sandbox zygote starts, and every node advertised nothing.)
 #[test]
 fn a_testnet_in_a_relative_directory_takes_work() {
-    use std::io::{BufRead as _, BufReader};
     if !nix::unistd::geteuid().is_root() {
         eprintln!("skipped: the nodes' executors run sandboxes only as root");
         return;
     }
     let dir = super::exec::open_dir();
-    let mut up = Command::new(env!("CARGO_BIN_EXE_cannabis"))
-        .args(["testnet", "up", "--nodes", "2", "--dir", "relative"])
-        .current_dir(dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    for line in BufReader::new(up.stdout.take().unwrap()).lines() {
-        if line.unwrap().contains("Ctrl-C") {
-            break;
-        }
-    }
-    let net = Testnet {
-        dir: dir.path().join("relative"),
-        up,
-    };
+    let net = Testnet::up_in(dir.path(), Path::new("relative"), 2);
     wait_for_workers(&net.dir.join("node-0"), 2);
 }
