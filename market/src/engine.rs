@@ -1429,7 +1429,12 @@ impl Market {
                 Ok(Answer::Refused(reason)),
             ) => {
                 let why = format!("the worker refused the award: {reason}");
-                self.job_failed(job, task, rank, epoch, &why);
+                let now = self.now;
+                if let Some(j) = self.jobs.get_mut(&job)
+                    && let Ok(actions) = j.on_award_refused(task, rank, epoch, &why, now)
+                {
+                    self.job_changed(job, actions);
+                }
             }
             (Purpose::Renew(r), Ok(Answer::Ack)) => {
                 let now = self.now;
@@ -1449,7 +1454,12 @@ impl Market {
             }
             (Purpose::Award { .. }, Ok(Answer::Ack)) => {}
             (Purpose::Bid(bid, to, sends), Err(_))
-                if sends < BID_SENDS && bid.valid_until > self.now =>
+                if sends < BID_SENDS
+                    && bid.valid_until > self.now
+                    && self
+                        .leases
+                        .bid_for(&bid.job_id, bid.task)
+                        .is_some_and(|(_, s)| s.bid == bid) =>
             {
                 self.send(
                     to,
@@ -1457,7 +1467,18 @@ impl Market {
                     Purpose::Bid(bid, to, sends + 1),
                 );
             }
-            (Purpose::Bid(_, to, _), result) => {
+            (Purpose::Bid(bid, to, _), result) => {
+                if let Ok(Answer::Refused(_)) = &result
+                    && self
+                        .leases
+                        .bid_for(&bid.job_id, bid.task)
+                        .is_some_and(|(_, s)| s.bid == bid)
+                    && let Some(id) = self.leases.withdraw(&bid.job_id, bid.task)
+                {
+                    // Refused (its ad not held there yet, outbid, ...): forgotten, so that
+                    // this worker quotes again on a later version of the offer.
+                    self.out.dirty(RecordKey::SentBid(id));
+                }
                 self.event(MarketEvent::Answered {
                     what: "bid",
                     to,

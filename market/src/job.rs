@@ -47,6 +47,12 @@ use crate::placement::{self, Candidate, Class, Infeasible, Slot};
 /// How long a rank of a group that is still assembling waits for its first renewal.
 pub const GROUP_RENEWAL_WAIT_MS: u64 = 2_000;
 
+/// Most times a task's bids are called for again, its call already open to every worker,
+/// once the bids ran out after an attempt (every bidder refused as busy, failed or never
+/// countersigned). Each such version's window is twice the one before (while the deadline
+/// allows), and the task is placed as soon as a whole placement is in.
+pub const MAX_RECALLS: u32 = 5;
+
 /// Timing of leases.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -58,8 +64,9 @@ pub struct LeaseConfig {
     /// Renew when this little is left.
     pub renew_margin_ms: u64,
     /// Most runs of one task that may fail after their leases became current. Awards a
-    /// worker refused or never countersigned do not count: each excludes that worker, so
-    /// they end when the bids run out.
+    /// worker refused or never countersigned do not count: each sets that worker aside,
+    /// so they end when the bids run out (and the bids are called for again at most
+    /// [`MAX_RECALLS`] times).
     pub max_attempts: u32,
 }
 
@@ -347,6 +354,15 @@ pub struct Task {
     declines: BTreeMap<Address, String>,
     /// Workers whose assignment ended without delivering; not placed again.
     excluded: BTreeSet<Address>,
+    /// Workers that refused an award (busy, as a rule), with the version of the offer
+    /// current then: excluded too, until they bid on a later version, which says they
+    /// would take the work now.
+    #[serde(default)]
+    refused: BTreeMap<Address, Digest>,
+    /// Versions of the offer published because the bids ran out after an attempt, with
+    /// the call already open to every worker (see [`MAX_RECALLS`]).
+    #[serde(default)]
+    recalls: u32,
     /// The current attempt, one per rank.
     ranks: Vec<Assignment>,
     attempts: u32,
@@ -596,6 +612,8 @@ impl Job {
                 signatures: BTreeMap::new(),
                 declines: BTreeMap::new(),
                 excluded: BTreeSet::new(),
+                refused: BTreeMap::new(),
+                recalls: 0,
                 ranks: Vec::new(),
                 attempts: 0,
                 failures: 0,
@@ -907,6 +925,17 @@ impl Job {
             }
         }
         let (worker, price) = (bid.worker, bid.price);
+        if bid.offer == self.offer_id
+            && task
+                .refused
+                .get(&worker)
+                .is_some_and(|&v| v != self.offer_id)
+        {
+            // It refused an award before this version was published: bidding on it says it
+            // would take the work now.
+            task.refused.remove(&worker);
+            task.excluded.remove(&worker);
+        }
         task.signatures.insert(worker, signature);
         task.bids.insert(
             bid.worker,
@@ -984,7 +1013,7 @@ impl Job {
         }
         if let Some(held) = task.bids.get(&bid.worker) {
             if held.bid == *bid {
-                return Err(Refusal::DuplicateBid);
+                return Err(Refusal::SameBid);
             }
             if held.bid.offer == bid.offer {
                 return Err(Refusal::Equivocation);
@@ -1047,9 +1076,6 @@ impl Job {
 
     /// Whether task `i`, still bidding, can be placed before its window ends.
     fn early_ready(&self, i: usize, now: Timestamp) -> bool {
-        let Some(early) = self.bidding.early else {
-            return false;
-        };
         let spec = &self.offer.tasks[i];
         let task = &self.tasks[i];
         let Ok(left) = self.left(i) else {
@@ -1059,6 +1085,13 @@ impl Job {
             task.bids
                 .values()
                 .filter(|c| c.bid.valid_until > now && !task.excluded.contains(&c.bid.worker))
+        };
+        if task.recalls > 0 {
+            // Its bids were called for again: the first whole placement is taken.
+            return placement::place(spec, valid(), &task.excluded, left, now).is_ok();
+        }
+        let Some(early) = self.bidding.early else {
+            return false;
         };
         match early {
             Early::FirstBids(n) => {
@@ -1473,6 +1506,25 @@ impl Job {
         Ok(actions)
     }
 
+    /// The worker of a rank refused its award (busy, as a rule). The attempt ends as for a
+    /// failure, without counting as a failed run, and the worker is not placed on the task
+    /// again until it bids on a later version of the offer.
+    pub fn on_award_refused(
+        &mut self,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+        reason: &str,
+        now: Timestamp,
+    ) -> Result<Vec<Action>, Refusal> {
+        let worker = self.assignment(task, rank, epoch)?.worker;
+        let actions = self.on_failed(task, rank, epoch, reason, now)?;
+        self.tasks[task as usize]
+            .refused
+            .insert(worker, self.offer_id);
+        Ok(actions)
+    }
+
     /// The requester cancels the whole job: every live lease gets a cancellation.
     #[must_use]
     pub fn cancel(&mut self, now: Timestamp) -> Vec<Action> {
@@ -1498,7 +1550,7 @@ impl Job {
         let looked = self.early_look_at.is_some_and(|t| now >= t);
         if task.status != TaskStatus::Bidding
             || (now < self.offer.expires_at && !looked)
-            || call.odds_ppb >= cannabis_protocol::draw::ODDS_ONE
+            || (call.odds_ppb >= cannabis_protocol::draw::ODDS_ONE && !self.may_recall(i))
         {
             return false;
         }
@@ -1521,22 +1573,77 @@ impl Job {
         )
     }
 
-    /// The job's offer was published again as `offer` (id `id`), with wider calls and a new
-    /// bid window; bids for earlier versions still count.
+    /// Whether task `i`, its call open to every worker, may have its bids called for again
+    /// once they ran out: only after an attempt (a task nobody ever bid on has nobody to
+    /// wait for), and at most [`MAX_RECALLS`] times.
+    fn may_recall(&self, i: usize) -> bool {
+        let task = &self.tasks[i];
+        task.attempts > 0 && task.recalls < MAX_RECALLS
+    }
+
+    /// The tasks [`Job::wants_wider_call`] names whose call is already open to every
+    /// worker: their bids are called for again rather than widened.
+    fn recalled(&self, now: Timestamp) -> Vec<usize> {
+        (0..self.tasks.len())
+            .filter(|&i| {
+                self.offer.calls[i].odds_ppb >= cannabis_protocol::draw::ODDS_ONE
+                    && self.wants_wider_call(i, now)
+            })
+            .collect()
+    }
+
+    /// The bid window of the next version of the offer: the same as this one's, or twice
+    /// it when bids are called for again (a busy worker has longer to free a slot), while
+    /// half the time to the deadline is left to run the work.
+    pub fn next_window(&self, now: Timestamp) -> u64 {
+        let window = self.offer.expires_at.ms_since(self.offer.issued_at);
+        if self.recalled(now).is_empty() {
+            return window;
+        }
+        let room = self.offer.deadline.ms_since(now) / 2;
+        window.saturating_mul(2).min(room).max(window)
+    }
+
+    /// The job's offer was published again as `offer` (id `id`), with wider calls or a new
+    /// call for bids and a new bid window; bids for earlier versions still count.
     pub fn republished(&mut self, offer: JobOffer, id: Digest, now: Timestamp) {
+        let recalled = self.recalled(now);
+        for &i in &recalled {
+            self.tasks[i].recalls += 1;
+        }
         let odds: Vec<String> = offer
             .calls
             .iter()
             .map(|c| format!("{:.6}", f64::from(c.odds_ppb) / 1e9))
             .collect();
+        let window = offer.expires_at.ms_since(offer.issued_at);
         self.offer = offer;
         self.earlier.push(std::mem::replace(&mut self.offer_id, id));
         self.early_look_at = self.early_look_after(now);
-        self.log(
-            now,
-            None,
-            format!("too few bids: call widened (odds {})", odds.join(", ")),
-        );
+        for i in recalled {
+            let n = self.tasks[i].recalls;
+            self.log(
+                now,
+                Some(i as u32),
+                format!(
+                    "no bids left: bids called for again ({n} of {MAX_RECALLS}, a {} s \
+                     window, placed at the first whole placement)",
+                    window.div_ceil(1_000)
+                ),
+            );
+        }
+        if self
+            .offer
+            .calls
+            .iter()
+            .any(|c| c.odds_ppb < cannabis_protocol::draw::ODDS_ONE)
+        {
+            self.log(
+                now,
+                None,
+                format!("too few bids: call widened (odds {})", odds.join(", ")),
+            );
+        }
     }
 
     /// When an early-placed job published at `now` looks at its bids ahead of the window.
@@ -1671,6 +1778,9 @@ impl Job {
         let spec = &self.offer.tasks[i];
         match placement::place(spec, task.bids.values(), &task.excluded, left, now) {
             Ok(slots) => self.award(i, slots, now, actions),
+            // The bids ran out after an attempt: the engine calls for them again.
+            Err(Infeasible::NoBids | Infeasible::TooFewCompatible { .. })
+                if self.wants_wider_call(i, now) => {}
             Err(why) => {
                 let declined = task.declines.len();
                 self.fail_task(i, Failure::Unplaceable { why, declined }, now, actions);

@@ -161,6 +161,13 @@ impl Leases {
         self.bids.get(id).map(|b| (id, b))
     }
 
+    /// Withdraws the bid this worker sent for a task (it refused the award as busy, and
+    /// quotes again on a later version of the offer): its message id, if one was held.
+    pub fn withdraw(&mut self, job: &Uuid, task: u32) -> Option<Digest> {
+        let id = self.by_task.remove(&(*job, task))?;
+        self.bids.remove(&id).map(|_| id)
+    }
+
     /// Bids sent that still hold.
     pub fn bids(&self) -> impl Iterator<Item = (&Digest, &SentBid)> {
         self.bids.iter()

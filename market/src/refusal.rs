@@ -51,9 +51,13 @@ pub enum Refusal {
     /// The task is over.
     #[error("task {0} is over")]
     TaskOver(u32),
-    /// An equal or newer bid of the worker is held.
-    #[error("an equal or newer bid from this worker is held")]
+    /// A newer bid of the worker is held.
+    #[error("a newer bid from this worker is held")]
     DuplicateBid,
+    /// This very bid is held already (sent again after a connection dropped): the
+    /// requester acknowledges it and changes nothing.
+    #[error("this bid is held already")]
+    SameBid,
     /// The worker signed two different bids for one version of the offer: both are kept
     /// as evidence, and the worker is not placed on the task.
     #[error("two different signed bids for one version of the offer: kept as evidence")]

@@ -1334,10 +1334,13 @@ mod tests {
         assert_eq!(report.offers, 200);
         assert_eq!(report.completed + report.failed + report.cancelled, 200);
         // The run exercised what it claims to: placements, crashes and retries, stale
-        // epochs refused, lost messages.
-        assert!(report.completed > 100, "{report:?}");
+        // epochs refused, busy workers, calls for bids again, lost messages. (Tasks whose
+        // bids ran out used to fail here, 12 of 200 with this seed; called for again, they
+        // are placed.)
+        assert!(report.completed > 190, "{report:?}");
         assert!(report.stale_refused > 0, "{report:?}");
-        assert!(report.failed > 0, "{report:?}");
+        assert!(report.busy_refused > 0, "{report:?}");
+        assert!(report.widened > 0, "{report:?}");
         assert!(report.retries > 0, "{report:?}");
         assert!(report.dropped > 0, "{report:?}");
         assert!(report.declines > 0, "{report:?}");

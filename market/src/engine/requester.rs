@@ -443,6 +443,8 @@ impl Market {
                 }
                 return Err(Refusal::Equivocation);
             }
+            // Sent again after a connection dropped under the first send: taken already.
+            Err(Refusal::SameBid) => return Ok(()),
             other => other?,
         }
         let call = job.offer().calls[bid.task as usize];
@@ -511,10 +513,13 @@ impl Market {
             return Err(Refusal::NotDrawn);
         }
         let key = (bid.task, bid.worker);
-        if let Some((held, _)) = bare.bids.get(&key)
-            && held.issued_at >= bid.issued_at
-        {
-            return Err(Refusal::DuplicateBid);
+        if let Some((held, _)) = bare.bids.get(&key) {
+            if held == bid {
+                return Ok(());
+            }
+            if held.issued_at >= bid.issued_at {
+                return Err(Refusal::DuplicateBid);
+            }
         }
         if !bare.bids.contains_key(&key) && bare.bids.len() >= bare.keep as usize {
             return Err(Refusal::Outbid {
@@ -739,7 +744,8 @@ impl Market {
     }
 
     /// Publishes a new version of a job's offer for the tasks whose window ended with too
-    /// few bids: better odds, a new bid window, the same deadline.
+    /// few bids: better odds (or, for a call open to all whose bids ran out after an
+    /// attempt, the same odds: a new call for bids), a new bid window, the same deadline.
     fn widen(&mut self, job: Uuid) {
         let now = self.now;
         let factor = self.config.fanin.widen_factor;
@@ -752,11 +758,11 @@ impl Market {
         if wide.is_empty() {
             return;
         }
+        let window = j.next_window(now);
         let mut offer = j.offer().clone();
         for i in wide {
             offer.calls[i] = fanin::widened(&offer.calls[i], factor);
         }
-        let window = offer.expires_at.ms_since(offer.issued_at);
         offer.seq = self.next_seq("offer", now.0);
         offer.issued_at = now;
         offer.expires_at = now.plus_ms(window);

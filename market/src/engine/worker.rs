@@ -96,6 +96,19 @@ impl Market {
         let held = self.leases.live_count(now);
         let replaces = self.leases.get(&key).is_some_and(|l| l.is_live());
         if held >= self.config.worker.max_leases as usize && !replaces {
+            // The quote is withdrawn, so that this worker quotes again on the next version
+            // of the offer (the requester calls for bids again when they run out) once a
+            // slot is free: only for a signed award that names it, from its requester.
+            let named = self
+                .leases
+                .bid_for(&award.job_id, award.task)
+                .is_some_and(|(id, s)| *id == award.bid && s.requester == award.requester);
+            if named
+                && self.check_signature(&r).is_ok()
+                && let Some(id) = self.leases.withdraw(&award.job_id, award.task)
+            {
+                self.out.dirty(RecordKey::SentBid(id));
+            }
             return Err(Refusal::Busy { held: held as u32 });
         }
         self.check_signature(&r)?;

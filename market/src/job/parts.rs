@@ -133,6 +133,8 @@ impl Job {
                 signatures: BTreeMap::new(),
                 declines: BTreeMap::new(),
                 excluded: t.excluded.clone(),
+                refused: t.refused.clone(),
+                recalls: t.recalls,
                 ranks: t.ranks.clone(),
                 attempts: t.attempts,
                 failures: t.failures,

@@ -424,10 +424,8 @@ fn offers_carry_a_call_per_task_and_any_node_checks_it() {
     assert!(Signed::sign(&testkit::keys(0), &offer).verify().is_err());
 }
 
-#[test]
-fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
-    // One worker, allowed one lease, bids on two jobs while it holds none; both are awarded
-    // to it: it takes one and refuses the other as busy; a third job draws no quote.
+/// Node 0 submits two jobs, both bid on by node 1, a worker allowed one lease.
+fn two_jobs_for_one_slot() -> (Net, Uuid, Uuid) {
     let mut one = config();
     one.worker.max_leases = 1;
     let nodes = vec![
@@ -440,6 +438,14 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
     let a = submit(&mut net, template(), [1; 16]);
     let b = submit(&mut net, template(), [2; 16]);
     net.settle(T0);
+    (net, a, b)
+}
+
+#[test]
+fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
+    // One worker, allowed one lease, bids on two jobs while it holds none; both are awarded
+    // to it: it takes one and refuses the other as busy; a third job draws no quote.
+    let (mut net, a, b) = two_jobs_for_one_slot();
     for job in [a, b] {
         assert_eq!(
             net.nodes[0].market.job(&job).unwrap().tasks()[0].bid_count(),
@@ -457,19 +463,118 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
         "{:?}",
         net.nodes[1].refusals
     );
-    let running = [a, b]
-        .iter()
-        .filter(|j| net.nodes[0].market.job(j).unwrap().tasks()[0].status() == &TaskStatus::Running)
-        .count();
-    assert_eq!(running, 1);
+    let status = |net: &Net, j: &Uuid| {
+        net.nodes[0].market.job(j).unwrap().tasks()[0]
+            .status()
+            .clone()
+    };
+    let (running, waiting) = if status(&net, &a) == TaskStatus::Running {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    assert_eq!(status(&net, &running), TaskStatus::Running);
     assert_eq!(net.nodes[1].market.leases().live_count(end), 1);
-    let c = submit(&mut net, template(), [3; 16]);
+    // The refused job does not fail: its bids are called for again, with a longer window.
+    assert_eq!(status(&net, &waiting), TaskStatus::Bidding);
+    let history = |net: &Net, j: &Uuid| {
+        net.nodes[0]
+            .market
+            .job(j)
+            .unwrap()
+            .history()
+            .iter()
+            .map(|e| e.text.clone())
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        history(&net, &waiting)
+            .iter()
+            .any(|t| t.starts_with("no bids left: bids called for again (1 of 5, a 20 s window")),
+        "{:?}",
+        history(&net, &waiting)
+    );
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let c = submit(
+        &mut net,
+        testkit::template(vec![task], WINDOW, 3_600_000),
+        [3; 16],
+    );
     net.settle(end);
     assert_eq!(
         net.nodes[0].market.job(&c).unwrap().tasks()[0].bid_count(),
         0,
         "a full worker does not quote"
     );
+    // The running job ends; at the next call the worker, free again, bids and is placed at
+    // once, without waiting out the window.
+    net.nodes[0]
+        .market
+        .command(end, Command::Cancel(running))
+        .unwrap();
+    net.drain(0, end);
+    net.settle(end);
+    assert_eq!(net.nodes[1].market.leases().live_count(end), 0);
+    let recall = end.plus_ms(2 * WINDOW);
+    net.tick(recall);
+    net.settle(recall);
+    assert_eq!(
+        status(&net, &waiting),
+        TaskStatus::Running,
+        "{:?}",
+        history(&net, &waiting)
+    );
+    let j = net.nodes[0].market.job(&waiting).unwrap();
+    assert_eq!(j.tasks()[0].ranks()[0].epoch, 2);
+    assert!(
+        j.offer().expires_at > recall,
+        "placed before the window ended"
+    );
+}
+
+#[test]
+fn a_task_whose_bids_keep_running_out_fails_after_its_last_call() {
+    // The only worker refuses every award as busy (it holds a lease of another job that
+    // never ends): the job is called for again five times, each window twice the last,
+    // and then fails saying why.
+    let (mut net, a, b) = two_jobs_for_one_slot();
+    let mut now = T0;
+    let mut windows = Vec::new();
+    for _ in 0..80 {
+        now = now.plus_ms(WINDOW);
+        net.tick(now);
+        net.settle(now);
+        let waiting = [a, b]
+            .into_iter()
+            .find(|j| {
+                net.nodes[0].market.job(j).unwrap().tasks()[0].status() != &TaskStatus::Running
+            })
+            .unwrap();
+        let j = net.nodes[0].market.job(&waiting).unwrap();
+        let w = j.offer().expires_at.ms_since(j.offer().issued_at);
+        if windows.last() != Some(&w) {
+            windows.push(w);
+        }
+        if j.tasks()[0].status().is_final() {
+            assert_eq!(
+                j.tasks()[0].status().to_string(),
+                "failed: cannot be placed: no valid bids"
+            );
+            assert_eq!(
+                j.history()
+                    .iter()
+                    .filter(|e| e.text.starts_with("no bids left"))
+                    .count(),
+                5
+            );
+            assert_eq!(
+                windows,
+                [2 * WINDOW, 4 * WINDOW, 8 * WINDOW, 16 * WINDOW, 32 * WINDOW]
+            );
+            return;
+        }
+    }
+    panic!("the job never failed: {:?}", windows);
 }
 
 #[test]
@@ -733,6 +838,82 @@ fn a_run_its_worker_reports_failed_is_placed_again_on_another() {
             .runs
             .iter()
             .any(|o| matches!(o, RunOrder::Start { epoch: 2, .. }))
+    );
+}
+
+#[test]
+fn a_worker_whose_bid_was_refused_bids_again_when_the_bids_are_called_for_again() {
+    // Node 2's ad has not reached the requester yet: its bid is refused and it forgets
+    // it. Node 1 is placed and its run fails; with no bids left the requester calls for
+    // them again, and node 2, its ad now held, bids on that version and is placed.
+    let nodes = (0..3)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = Net::new(nodes);
+    let machine = Machine::default();
+    let one = net.nodes[1].address();
+    let late = net.nodes[2].address();
+    let env = net.nodes[1].publish_ad(T0, testkit::ad(one, &machine, T0));
+    net.queue.extend(env);
+    let held_back = net.nodes[2]
+        .publish_ad(T0, testkit::ad(late, &machine, T0))
+        .unwrap();
+    net.settle(T0);
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let job = submit(
+        &mut net,
+        testkit::template(vec![task], WINDOW, 3_600_000),
+        [1; 16],
+    );
+    net.settle(T0);
+    assert!(
+        net.nodes[2].events.iter().any(|e| matches!(
+            e,
+            MarketEvent::Answered { what: "bid", result: Ok(cannabis_market::Answer::Refused(why)), .. }
+                if why.contains("ad")
+        )),
+        "{:?}",
+        net.nodes[2].events
+    );
+    assert!(
+        net.nodes[2].market.leases().bid_for(&job, 0).is_none(),
+        "a refused bid is forgotten"
+    );
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(j.tasks()[0].ranks()[0].worker, one, "{:?}", j.history());
+    net.queue.push(held_back);
+    net.settle(end);
+    net.nodes[1]
+        .market
+        .command(
+            end,
+            Command::Ran {
+                request_id: RunOrder::request_id(&(job, 0, 0), 1),
+                stage: RunStage::Failed,
+                detail: "exit status 1".into(),
+            },
+        )
+        .unwrap();
+    net.drain(1, end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        *j.tasks()[0].status(),
+        TaskStatus::Running,
+        "{:?}",
+        j.history()
+    );
+    let again = &j.tasks()[0].ranks()[0];
+    assert_eq!((again.epoch, again.worker), (2, late), "{:?}", j.history());
+    assert!(
+        j.history().iter().any(|e| e
+            .text
+            .starts_with("no bids left: bids called for again (1 of 5")),
+        "{:?}",
+        j.history()
     );
 }
 
