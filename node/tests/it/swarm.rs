@@ -142,10 +142,26 @@ async fn a_bid_reaches_the_requester_and_bad_bids_are_refused() {
     assert_eq!(bids.len(), 1, "{bids:?}");
     assert_eq!(bids[0].worker, worker_keys.address().to_string());
     assert_eq!(bids[0].id, good.id().to_string());
-    // The same bid again is a duplicate.
-    match worker
+    // The same bid again (a worker sends it again when its connection dropped) is
+    // acknowledged and changes nothing; an older one is refused.
+    let again = worker
         .handle
         .market(requester.handle.peer_id(), MarketRequest::Bid(good.clone()))
+        .await
+        .unwrap();
+    assert_eq!(again, MarketResponse::Ack);
+    let bids = requester.handle.bids().await.unwrap();
+    assert_eq!(bids.len(), 1, "{bids:?}");
+    assert_eq!(bids[0].id, good.id().to_string());
+    let mut older = good.verify().unwrap().body;
+    older.issued_at = Timestamp(older.issued_at.0 - 500);
+    older.price = cannabis_protocol::Amount(800);
+    match worker
+        .handle
+        .market(
+            requester.handle.peer_id(),
+            MarketRequest::Bid(Signed::sign(&worker_keys, &older)),
+        )
         .await
         .unwrap()
     {
