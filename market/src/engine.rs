@@ -1080,7 +1080,7 @@ impl Market {
         let current: Vec<(AssignmentKey, Lease)> = m
             .leases
             .iter()
-            .filter(|(_, l)| l.is_live() && l.expires_at > now)
+            .filter(|(_, l)| l.is_live() && !l.assembling && l.expires_at > now)
             .map(|(k, l)| (*k, l.clone()))
             .collect();
         for (key, lease) in current {

@@ -73,6 +73,11 @@ pub struct Lease {
     /// other ranks are, for the group's private channel.
     #[serde(default)]
     pub rendezvous: Option<Box<Rendezvous>>,
+    /// A rank of a group waiting for its first renewal, which the requester sends once
+    /// every rank holds its lease: its work is not prepared before (no package fetched,
+    /// no sandbox made for a group that may never be whole).
+    #[serde(default)]
+    pub assembling: bool,
 }
 
 impl Lease {
@@ -295,6 +300,7 @@ impl Leases {
                 deliver_to: sent.deliver_to,
                 inputs: award.inputs.clone(),
                 rendezvous: award.rendezvous.clone().map(Box::new),
+                assembling: award.rendezvous.is_some(),
             },
         );
         let accept = LeaseAccept {
@@ -332,15 +338,16 @@ impl Leases {
     }
 
     /// A renewal whose signature and sender the caller checked: extends the live lease of
-    /// the same epoch.
-    pub fn on_renewal(&mut self, renewal: &LeaseRenewal, now: Timestamp) -> Result<(), Refusal> {
+    /// the same epoch. Whether it was the first of a rank whose group was assembling: its
+    /// work is prepared now.
+    pub fn on_renewal(&mut self, renewal: &LeaseRenewal, now: Timestamp) -> Result<bool, Refusal> {
         let key = (renewal.job_id, renewal.task, renewal.rank);
         let lease = self.named(&key, &renewal.requester, &renewal.worker, renewal.epoch)?;
         if !lease.is_live() || lease.expires_at <= now {
             return Err(Refusal::LeaseEnded);
         }
         lease.expires_at = lease.expires_at.max(renewal.expires_at);
-        Ok(())
+        Ok(std::mem::take(&mut lease.assembling))
     }
 
     /// A cancellation whose signature and sender the caller checked: ends the live lease it

@@ -124,7 +124,9 @@ impl Market {
         });
         let purpose = Purpose::Other("lease acceptance", requester);
         self.send(requester, Outbound::Accept(accept), purpose);
-        if let Some(lease) = self.leases.get(&key).cloned() {
+        if let Some(lease) = self.leases.get(&key).cloned()
+            && !lease.assembling
+        {
             self.run_start(key, &lease);
         }
         Ok(())
@@ -267,11 +269,17 @@ impl Market {
         Self::from_signer(from, &r)?;
         self.check_signature(&r)?;
         let now = self.now;
-        self.leases.on_renewal(&r.body, now)?;
+        let assembled = self.leases.on_renewal(&r.body, now)?;
         let b = &r.body;
         let key = (b.job_id, b.task, b.rank);
         self.out.dirty(RecordKey::Lease(key));
-        if let Some(lease) = self.leases.get(&key) {
+        if let Some(lease) = self.leases.get(&key).cloned()
+            && assembled
+        {
+            // The group is whole (or the requester stopped waiting for it): the work
+            // starts now.
+            self.run_start(key, &lease);
+        } else if let Some(lease) = self.leases.get(&key) {
             let order = RunOrder::Renew {
                 request_id: RunOrder::request_id(&key, lease.epoch),
                 until: lease.expires_at,

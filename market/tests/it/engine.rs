@@ -917,6 +917,67 @@ fn a_worker_whose_bid_was_refused_bids_again_when_the_bids_are_called_for_again(
     );
 }
 
+#[test]
+fn a_group_rank_prepares_its_work_only_once_the_group_is_whole() {
+    // A group of two: node 2's acceptance is lost. Node 1 holds its lease, but its work is
+    // not started until the first renewal, which the requester sends when the group is
+    // whole or, as here, once it stopped waiting for it.
+    let nodes = (0..3)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let task = testkit::task("g", 1, 0, 0, 2, 1_000_000);
+    let job = submit(
+        &mut net,
+        testkit::template(vec![task], WINDOW, 3_600_000),
+        [1; 16],
+    );
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    let late = net.nodes[2].address();
+    let lost = |e: &Envelope| {
+        matches!(e, Envelope::Request { from, msg, .. }
+            if *from == late && matches!(**msg, Inbound::Accept(_)))
+    };
+    net.run(end, lost, 100_000);
+    for i in [1, 2] {
+        let leases = net.nodes[i].market.leases();
+        let (_, lease) = leases.iter().next().expect("a lease");
+        assert!(lease.is_live() && lease.assembling);
+        assert!(
+            net.nodes[i].runs.is_empty(),
+            "node {i} started before its group was whole: {:?}",
+            net.nodes[i].runs
+        );
+    }
+    let waited = end.plus_ms(cannabis_market::job::GROUP_RENEWAL_WAIT_MS);
+    net.tick(waited);
+    net.run(waited, lost, 100_000);
+    let rank = net.nodes[1]
+        .market
+        .leases()
+        .iter()
+        .next()
+        .map(|(k, l)| (*k, l.clone()))
+        .unwrap();
+    assert!(!rank.1.assembling);
+    assert!(
+        matches!(
+            net.nodes[1].runs.as_slice(),
+            [RunOrder::Start { request_id, until, group: Some(_), .. }]
+                if *request_id == RunOrder::request_id(&rank.0, 1) && *until == rank.1.expires_at
+        ),
+        "{:?}",
+        net.nodes[1].runs
+    );
+    assert!(
+        net.nodes[2].runs.is_empty(),
+        "its acceptance never arrived: no renewal"
+    );
+    assert_eq!(rank.0.0, job);
+}
+
 /// `n` nodes, node 0 submitting one job of `task`, run until its bid window closed and
 /// it was placed and leased: the network, the job and that time.
 fn leased(n: u64, task: TaskSpec) -> (Net, Uuid, Timestamp) {
