@@ -50,6 +50,8 @@ pub struct Metrics {
     pub transfer_bytes: Family<Labels, Counter>,
     /// Size of the node's store file, in bytes.
     pub store_bytes: Gauge,
+    /// Seconds each write of the market's records to the store took (durable ones sync).
+    pub store_write_seconds: Histogram,
     /// The last ledger block this node applied.
     pub ledger_height: Gauge,
     /// Each GPU's utilisation (NVML), by UUID, read at each scrape; no series on a
@@ -78,6 +80,7 @@ impl Metrics {
             refusals: Family::default(),
             transfer_bytes: Family::default(),
             store_bytes: Gauge::default(),
+            store_write_seconds: Histogram::new(exponential_buckets(0.000_25, 2.0, 16)),
             ledger_height: Gauge::default(),
             gpu_utilization: Family::default(),
             registry: Registry::default(),
@@ -110,6 +113,11 @@ impl Metrics {
             "tasks",
             "Tasks of this node's jobs it keeps, by status",
             m.tasks.clone(),
+        );
+        registry.register(
+            "store_write_seconds",
+            "Seconds each write of the market's records to the store took",
+            m.store_write_seconds.clone(),
         );
         registry.register(
             "jobs_ended",

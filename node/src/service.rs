@@ -62,6 +62,9 @@ const CATCH_UP_SECS: [u64; 4] = [10, 30, 70, 150];
 /// Most events taken in one turn of the loop before the engine's outputs are drained.
 const BATCH: usize = 64;
 
+/// A write to the store this slow is logged (a disk that stalls holds up the market).
+const SLOW_WRITE: Duration = Duration::from_millis(250);
+
 /// Now, as the protocol's millisecond timestamp and in microseconds.
 pub(crate) fn now() -> (Timestamp, u64) {
     let us = crate::clock::now_us();
@@ -845,7 +848,7 @@ impl Node {
             && let Some(output) = self.market.poll_output()
         {
             match output {
-                Output::Persist { batch, ops } => match self.store.apply(&ops, &self.address) {
+                Output::Persist { batch, ops } => match self.write(&ops) {
                     Ok(()) => self.market.persisted(batch),
                     Err(e) => {
                         // Nothing that depended on the batch was sent (the fence), and
@@ -877,6 +880,29 @@ impl Node {
             }
         }
         self.settle_new();
+    }
+
+    /// Writes the market's records to the store, timed: a slow durable write holds up
+    /// everything the engine sends after it, so it is counted and a very slow one logged.
+    fn write(&self, ops: &[cannabis_market::RecordOp]) -> anyhow::Result<()> {
+        let started = std::time::Instant::now();
+        let result = self.store.apply(ops, &self.address);
+        let took = started.elapsed();
+        self.metrics.store_write_seconds.observe(took.as_secs_f64());
+        debug!(
+            target: "cannabis::store",
+            us = took.as_micros() as u64,
+            records = ops.len(),
+            "store write"
+        );
+        if took >= SLOW_WRITE {
+            warn!(
+                ms = took.as_millis() as u64,
+                records = ops.len(),
+                "a slow write to the store held up what the market sends"
+            );
+        }
+        result
     }
 
     /// A group rank's lease became current (its channel's endpoints open) or ended

@@ -43,6 +43,15 @@ fn metrics_are_served_without_the_token_and_move_with_the_traffic() {
     let accepted = "cannabis_gossip_messages_received_total{verdict=\"accepted\"}";
     let before = sample(&first, accepted).unwrap_or(0.0);
     assert!(sample(&first, "cannabis_store_bytes").unwrap() > 0.0);
+    // Every node wrote the ads it took: each write was timed.
+    assert!(
+        sample(&first, "cannabis_store_write_seconds_count").unwrap() > 0.0,
+        "{first}"
+    );
+    assert!(
+        sample(&first, "cannabis_store_write_seconds_sum").unwrap() > 0.0,
+        "{first}"
+    );
     // Everything else still needs the token.
     let (status, _) = get(&nodes[0], "/v1/status");
     assert!(status.contains("401"), "{status}");
