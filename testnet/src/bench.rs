@@ -177,7 +177,10 @@ fn time_job(net: &Testnet) -> anyhow::Result<(u32, u64, u64)> {
     t.ttl_ms = JOB_BID_WINDOW_MS;
     t.deadline_ms = 600_000;
     t.early = Some(cannabis_market::job::Early::FirstBids(group));
-    let origin = &net.nodes[0].client;
+    // The last node asks, as a requester on a real network would: not node 0, which
+    // sequences the testnet's ledger and makes the block of the group's escrow
+    // assignments at the same moment (node 0 takes a rank like every other node).
+    let origin = &net.nodes.last().context("no nodes")?.client;
     let job = origin.submit_job(&t)?;
     let (_, at) = await_events(
         origin,
