@@ -893,6 +893,10 @@ enum Purpose {
     /// A bid, with the sends it has had: one whose connection dropped before an answer is
     /// sent again (at most [`BID_SENDS`] in all) while it is valid.
     Bid(Bid, Address, u8),
+    /// A lease acceptance, with the sends it has had: one whose connection dropped before
+    /// an answer is sent again (at most [`BID_SENDS`] in all) while the lease holds, or a
+    /// group waits for that rank until the award runs out.
+    Accept(LeaseAccept, Address, u8),
     Other(&'static str, Address),
 }
 
@@ -1466,6 +1470,27 @@ impl Market {
                     Outbound::Bid(bid.clone()),
                     Purpose::Bid(bid, to, sends + 1),
                 );
+            }
+            (Purpose::Accept(accept, to, sends), Err(_))
+                if sends < BID_SENDS
+                    && self.leases.is_current(
+                        &(accept.job_id, accept.task, accept.rank),
+                        accept.epoch,
+                        self.now,
+                    ) =>
+            {
+                self.send(
+                    to,
+                    Outbound::Accept(accept.clone()),
+                    Purpose::Accept(accept, to, sends + 1),
+                );
+            }
+            (Purpose::Accept(_, to, _), result) => {
+                self.event(MarketEvent::Answered {
+                    what: "lease acceptance",
+                    to,
+                    result,
+                });
             }
             (Purpose::Bid(bid, to, _), result) => {
                 if let Ok(Answer::Refused(_)) = &result

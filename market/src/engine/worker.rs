@@ -122,7 +122,7 @@ impl Market {
             key,
             epoch: accept.epoch,
         });
-        let purpose = Purpose::Other("lease acceptance", requester);
+        let purpose = Purpose::Accept(accept.clone(), requester, 1);
         self.send(requester, Outbound::Accept(accept), purpose);
         if let Some(lease) = self.leases.get(&key).cloned()
             && !lease.assembling

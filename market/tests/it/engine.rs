@@ -1267,3 +1267,58 @@ fn a_bid_whose_connection_drops_is_sent_again_while_valid() {
         0
     );
 }
+
+#[test]
+fn a_lease_acceptance_whose_connection_drops_is_sent_again_while_the_lease_holds() {
+    // A dropped connection lost a rank's acceptance and with it a 99-rank group on a
+    // 100-node testnet: the requester never heard that rank and the award ran out.
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
+    net.settle(T0);
+    let worker = net.nodes[1].address();
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    let accepts = |net: &mut Net| -> Vec<OutboundId> {
+        let mut taken = Vec::new();
+        let mut n = 0;
+        while !net.queue.is_empty() && n < 10_000 {
+            n += 1;
+            match &net.queue[0] {
+                Envelope::Request { from, req, msg, .. }
+                    if *from == worker && matches!(**msg, Inbound::Accept(_)) =>
+                {
+                    taken.push(*req);
+                    net.queue.remove(0);
+                }
+                _ => net.deliver(0, end, false),
+            }
+        }
+        taken
+    };
+    let mut req = accepts(&mut net);
+    assert_eq!(req.len(), 1, "one acceptance sent");
+    for send in 2..=3 {
+        net.nodes[1].market.handle(
+            end,
+            cannabis_market::Input::Response {
+                req: req[0],
+                result: Err("Connection was closed before a response was received".into()),
+            },
+        );
+        net.drain(1, end);
+        req = accepts(&mut net);
+        assert_eq!(req.len(), 1, "send {send}: the acceptance went out again");
+    }
+    // The third send is lost too: no fourth.
+    net.nodes[1].market.handle(
+        end,
+        cannabis_market::Input::Response {
+            req: req[0],
+            result: Err("closed".into()),
+        },
+    );
+    net.drain(1, end);
+    assert!(accepts(&mut net).is_empty(), "sent a fourth time");
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(j.tasks()[0].ranks()[0].worker, worker);
+}
