@@ -1209,51 +1209,8 @@ fn a_struck_worker_is_passed_over_for_a_clean_one_unless_it_bids_under_half() {
 fn a_bid_whose_connection_drops_is_sent_again_while_valid() {
     let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
     let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
-    let worker = net.nodes[1].address();
-    // Everything but the worker's bids is delivered; each bid is taken out of the network.
-    let bid_sends = |net: &mut Net| -> Vec<OutboundId> {
-        let mut taken = Vec::new();
-        let mut n = 0;
-        while !net.queue.is_empty() && n < 10_000 {
-            n += 1;
-            match &net.queue[0] {
-                Envelope::Request { from, req, msg, .. }
-                    if *from == worker && matches!(**msg, Inbound::Bid(_)) =>
-                {
-                    taken.push(*req);
-                    net.queue.remove(0);
-                }
-                _ => net.deliver(0, T0, false),
-            }
-        }
-        taken
-    };
-    let first = bid_sends(&mut net);
-    assert_eq!(first.len(), 1, "one bid sent");
-    let mut req = first[0];
-    for send in 2..=3 {
-        net.nodes[1].market.handle(
-            T0,
-            cannabis_market::Input::Response {
-                req,
-                result: Err("Connection was closed before a response was received".into()),
-            },
-        );
-        net.drain(1, T0);
-        let again = bid_sends(&mut net);
-        assert_eq!(again.len(), 1, "send {send}: the bid went out again");
-        req = again[0];
-    }
-    // The third send is lost too: no fourth, and the worker hears of it.
-    net.nodes[1].market.handle(
-        T0,
-        cannabis_market::Input::Response {
-            req,
-            result: Err("closed".into()),
-        },
-    );
-    net.drain(1, T0);
-    assert!(bid_sends(&mut net).is_empty(), "sent a fourth time");
+    // Everything but the worker's bids is delivered; each bid is lost.
+    lost_on_every_send(&mut net, T0, "bid", |m| matches!(m, Inbound::Bid(_)));
     assert!(net.nodes[1].events.iter().any(|e| matches!(
         e,
         MarketEvent::Answered {
@@ -1275,50 +1232,55 @@ fn a_lease_acceptance_whose_connection_drops_is_sent_again_while_the_lease_holds
     let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
     let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
     net.settle(T0);
-    let worker = net.nodes[1].address();
     let end = T0.plus_ms(WINDOW);
     net.tick(end);
-    let accepts = |net: &mut Net| -> Vec<OutboundId> {
+    lost_on_every_send(&mut net, end, "acceptance", |m| {
+        matches!(m, Inbound::Accept(_))
+    });
+    // The requester never heard it: the rank is still only awarded.
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].ranks()[0].state,
+        cannabis_market::job::LeaseState::Offered
+    );
+}
+
+/// Delivers everything in flight at `now` but node 1's requests that `lost` picks, each of
+/// which gets no answer (its connection closed): node 1 sends one, sends it again twice,
+/// and then no more.
+fn lost_on_every_send(net: &mut Net, now: Timestamp, what: &str, lost: impl Fn(&Inbound) -> bool) {
+    let worker = net.nodes[1].address();
+    let sends = |net: &mut Net| -> Vec<OutboundId> {
         let mut taken = Vec::new();
         let mut n = 0;
         while !net.queue.is_empty() && n < 10_000 {
             n += 1;
             match &net.queue[0] {
-                Envelope::Request { from, req, msg, .. }
-                    if *from == worker && matches!(**msg, Inbound::Accept(_)) =>
-                {
+                Envelope::Request { from, req, msg, .. } if *from == worker && lost(msg) => {
                     taken.push(*req);
                     net.queue.remove(0);
                 }
-                _ => net.deliver(0, end, false),
+                _ => net.deliver(0, now, false),
             }
         }
         taken
     };
-    let mut req = accepts(&mut net);
-    assert_eq!(req.len(), 1, "one acceptance sent");
-    for send in 2..=3 {
+    let mut sent = sends(net);
+    assert_eq!(sent.len(), 1, "one {what} sent");
+    for send in 2..=4 {
         net.nodes[1].market.handle(
-            end,
+            now,
             cannabis_market::Input::Response {
-                req: req[0],
+                req: sent[0],
                 result: Err("Connection was closed before a response was received".into()),
             },
         );
-        net.drain(1, end);
-        req = accepts(&mut net);
-        assert_eq!(req.len(), 1, "send {send}: the acceptance went out again");
+        net.drain(1, now);
+        sent = sends(net);
+        if send == 4 {
+            assert!(sent.is_empty(), "the {what} was sent a fourth time");
+        } else {
+            assert_eq!(sent.len(), 1, "send {send}: the {what} went out again");
+        }
     }
-    // The third send is lost too: no fourth.
-    net.nodes[1].market.handle(
-        end,
-        cannabis_market::Input::Response {
-            req: req[0],
-            result: Err("closed".into()),
-        },
-    );
-    net.drain(1, end);
-    assert!(accepts(&mut net).is_empty(), "sent a fourth time");
-    let j = net.nodes[0].market.job(&job).unwrap();
-    assert_eq!(j.tasks()[0].ranks()[0].worker, worker);
 }
