@@ -197,14 +197,6 @@ impl Chain {
         &self.ledger
     }
 
-    /// How many more transactions of its own this node (`me`) may send before a block
-    /// takes some: the sequencer holds at most [`WAITING_PER_SENDER`] per sender and
-    /// refuses the rest, and a refused one leaves a gap in the nonces sent after it.
-    pub(super) fn own_room(&self, me: &Address) -> usize {
-        let in_flight = self.own_nonce.saturating_sub(self.ledger.account(me).nonce);
-        WAITING_PER_SENDER.saturating_sub(usize::try_from(in_flight).unwrap_or(usize::MAX))
-    }
-
     pub(crate) fn block_due(&self) -> Option<tokio::time::Instant> {
         self.block_at
     }

@@ -211,9 +211,6 @@ impl Node {
         let mut locked: Vec<(Uuid, Option<String>)> = Vec::new();
         let orders = std::mem::take(&mut chain.orders);
         let mut keep = Vec::with_capacity(orders.len());
-        // No more than the sequencer holds for one sender: the rest go after a block took
-        // some (a group of more than 64 ranks asks for more escrow assignments at once).
-        let mut room = chain.own_room(&me);
         for mut o in orders {
             let is_lock = matches!(o.settle, Settle::Lock(_));
             match ready(chain.ledger(), &me, &o.settle, now().0) {
@@ -247,8 +244,7 @@ impl Node {
                         ));
                         continue;
                     }
-                    if (o.sent_at.is_none() || stale) && room > 0 {
-                        room -= 1;
+                    if o.sent_at.is_none() || stale {
                         o.sent_at = Some(tokio::time::Instant::now());
                         send.push(o.settle.clone());
                     }
