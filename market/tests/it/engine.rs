@@ -424,6 +424,12 @@ fn offers_carry_a_call_per_task_and_any_node_checks_it() {
     assert!(Signed::sign(&testkit::keys(0), &offer).verify().is_err());
 }
 
+/// Node 0 submits one job of `task` (the usual window and deadline); its offer waits in
+/// the queue.
+fn submit_task(net: &mut Net, task: TaskSpec, nonce: [u8; 16]) -> Uuid {
+    submit(net, testkit::template(vec![task], WINDOW, 3_600_000), nonce)
+}
+
 /// Node 0 submits two jobs, both bid on by node 1, a worker allowed one lease.
 fn two_jobs_for_one_slot() -> (Net, Uuid, Uuid) {
     let mut one = config();
@@ -495,11 +501,7 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
         history(&net, &waiting)
     );
     let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
-    let c = submit(
-        &mut net,
-        testkit::template(vec![task], WINDOW, 3_600_000),
-        [3; 16],
-    );
+    let c = submit_task(&mut net, task, [3; 16]);
     net.settle(end);
     assert_eq!(
         net.nodes[0].market.job(&c).unwrap().tasks()[0].bid_count(),
@@ -860,11 +862,7 @@ fn a_worker_whose_bid_was_refused_bids_again_when_the_bids_are_called_for_again(
         .unwrap();
     net.settle(T0);
     let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
-    let job = submit(
-        &mut net,
-        testkit::template(vec![task], WINDOW, 3_600_000),
-        [1; 16],
-    );
+    let job = submit_task(&mut net, task, [1; 16]);
     net.settle(T0);
     assert!(
         net.nodes[2].events.iter().any(|e| matches!(
@@ -927,11 +925,7 @@ fn a_group_rank_prepares_its_work_only_once_the_group_is_whole() {
         .collect();
     let mut net = network(nodes, |_| Machine::default());
     let task = testkit::task("g", 1, 0, 0, 2, 1_000_000);
-    let job = submit(
-        &mut net,
-        testkit::template(vec![task], WINDOW, 3_600_000),
-        [1; 16],
-    );
+    let job = submit_task(&mut net, task, [1; 16]);
     net.settle(T0);
     let end = T0.plus_ms(WINDOW);
     net.tick(end);
@@ -985,11 +979,7 @@ fn leased(n: u64, task: TaskSpec) -> (Net, Uuid, Timestamp) {
         .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
         .collect();
     let mut net = network(nodes, |_| Machine::default());
-    let job = submit(
-        &mut net,
-        testkit::template(vec![task], WINDOW, 3_600_000),
-        [1; 16],
-    );
+    let job = submit_task(&mut net, task, [1; 16]);
     net.settle(T0);
     let end = T0.plus_ms(WINDOW);
     net.tick(end);
@@ -1167,11 +1157,7 @@ fn a_struck_worker_is_passed_over_for_a_clean_one_unless_it_bids_under_half() {
         if told_before {
             net.nodes[0].market.command(T0, strike.clone()).unwrap();
         }
-        let job = submit(
-            &mut net,
-            testkit::template(vec![task], WINDOW, 3_600_000),
-            [9; 16],
-        );
+        let job = submit_task(&mut net, task, [9; 16]);
         net.settle(T0);
         if !told_before {
             net.nodes[0].market.command(T0, strike).unwrap();
