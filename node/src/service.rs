@@ -240,6 +240,7 @@ pub(crate) enum Command {
     SettleSent {
         job: cannabis_protocol::Uuid,
         lock: bool,
+        tx: cannabis_protocol::Digest,
         result: Result<(), String>,
     },
     /// A challenge this node answers has been proved.
@@ -1231,7 +1232,12 @@ impl Node {
             Command::WalletFaucet(reply) => self.wallet_faucet(reply),
             Command::Compute(n, reply) => self.compute(n, reply),
             Command::Computed(done, reply) => self.computed(*done, reply),
-            Command::SettleSent { job, lock, result } => self.settle_sent(job, lock, result),
+            Command::SettleSent {
+                job,
+                lock,
+                tx,
+                result,
+            } => self.settle_sent(job, lock, tx, result),
             Command::Prove(id, reply) => {
                 let _ = reply.send(self.prove(&id));
             }

@@ -7,7 +7,7 @@
 //! its store, and publishes a block only once the block is; a node forwards a block only
 //! once it applied and kept it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use cannabis_market::ledger::{Ledger, TxRefusal};
@@ -34,6 +34,10 @@ const BLOCKS_PER_ASK: u32 = 64;
 const BLOCKS_BYTES: usize = 4 * 1024 * 1024;
 /// Most transactions one sender may have waiting at the sequencer.
 const WAITING_PER_SENDER: usize = 64;
+/// Most transactions of its own this node has at the sequencer at once (sent and in no
+/// block yet): below [`WAITING_PER_SENDER`], with room left for a wallet transfer. Escrow
+/// orders past it wait for a block to take some.
+pub(super) const OWN_AHEAD: usize = 48;
 /// Most transactions waiting at the sequencer in all.
 const WAITING_MAX: usize = 100_000;
 /// Blocks above the next height kept aside while the ones between are fetched.
@@ -94,6 +98,102 @@ impl Checked {
 /// What a request sent for the API waits for.
 type Reply = oneshot::Sender<anyhow::Result<api::Submitted>>;
 
+/// Whose a transaction handed to the sequencer is, and what becomes of its nonce when it
+/// fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Sender {
+    /// Signed elsewhere (`POST /v1/ledger/submit`, a faucet request).
+    Other,
+    /// This node's, sent once (a wallet transfer): its nonce is given back whenever it
+    /// fails, undelivered or refused.
+    Once(u64),
+    /// This node's, sent again as it is when it was not delivered (an escrow order): its
+    /// nonce is given back only when the sequencer refused it.
+    Resent(u64),
+}
+
+impl Sender {
+    /// The nonce to give back after a failure (`delivered`: the sequencer answered).
+    fn given_back(self, delivered: bool) -> Option<u64> {
+        match self {
+            Sender::Other => None,
+            Sender::Once(n) => Some(n),
+            Sender::Resent(n) => delivered.then_some(n),
+        }
+    }
+}
+
+/// The nonces of this node's own transactions that the sequencer may hold (sent and not
+/// answered, or acknowledged) and no block took yet. The next transaction takes the
+/// lowest nonce from the account's up that none holds: a nonce given back (its transaction
+/// refused, or never delivered) is used again at once, so no gap holds up the ones sent
+/// after it.
+#[derive(Debug, Default)]
+pub(crate) struct OwnNonces {
+    held: BTreeSet<u64>,
+    /// When a block last took some, or the first one of an empty set was taken.
+    moved_at: Option<tokio::time::Instant>,
+}
+
+impl OwnNonces {
+    /// The lowest nonce at or above `account` (the account's next) that none holds.
+    pub(crate) fn next(&self, account: u64) -> u64 {
+        let mut n = account;
+        for &h in self.held.range(account..) {
+            if h != n {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Takes the next nonce above `account`.
+    pub(crate) fn take(&mut self, account: u64) -> u64 {
+        let n = self.next(account);
+        if self.ahead(account) == 0 {
+            self.moved_at = Some(tokio::time::Instant::now());
+        }
+        self.held.insert(n);
+        n
+    }
+
+    /// Whether `nonce` is held.
+    pub(crate) fn holds(&self, nonce: u64) -> bool {
+        self.held.contains(&nonce)
+    }
+
+    /// `nonce`'s transaction is not at the sequencer: the next one takes it.
+    pub(crate) fn give_back(&mut self, nonce: u64) {
+        self.held.remove(&nonce);
+    }
+
+    /// A block took the account's next nonce to `account`: the ones below are spent.
+    pub(crate) fn spent_below(&mut self, account: u64) {
+        let before = self.held.len();
+        self.held = self.held.split_off(&account);
+        if self.held.len() < before {
+            self.moved_at = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// Whether some are held and no block took any for `patience`: the sequencer dropped
+    /// one (it no longer applied), and the ones after it wait behind its gap.
+    fn stuck(&self, account: u64, patience: Duration) -> bool {
+        self.ahead(account) > 0 && self.moved_at.is_some_and(|at| at.elapsed() > patience)
+    }
+
+    /// How many are held at or above `account`.
+    pub(crate) fn ahead(&self, account: u64) -> usize {
+        self.held.range(account..).count()
+    }
+
+    /// Forgets every one (the sequencer dropped them).
+    pub(crate) fn clear(&mut self) {
+        self.held.clear();
+    }
+}
+
 /// The node's ledger.
 pub(crate) struct Chain {
     ledger: Ledger,
@@ -111,16 +211,12 @@ pub(crate) struct Chain {
     asked_at: Option<tokio::time::Instant>,
     /// Faucet grants, by receiver: when (ms).
     granted: HashMap<Address, u64>,
-    /// The next nonce this node gives its own transactions (its account's, or past the
-    /// ones it sent that are not in a block yet).
-    own_nonce: u64,
-    /// When this node last signed a transaction of its own.
-    own_sent_at: Option<tokio::time::Instant>,
+    /// The nonces of this node's own transactions at the sequencer.
+    pub(super) own: OwnNonces,
     /// Ledger requests answered per peer (the allowances).
     served: cannabis_market::rate::Limiter<(PeerId, bool)>,
-    /// Requests sent for the API, by request.
-    /// (Whether the transaction is this node's own: a refusal gives its nonce back.)
-    pending: HashMap<OutboundRequestId, (Reply, api::Submitted, bool)>,
+    /// Transactions sent to the sequencer, by request.
+    pending: HashMap<OutboundRequestId, (Reply, api::Submitted, Sender)>,
     /// The engine's escrow operations not in a block yet.
     pub(super) orders: Vec<super::settle::Order>,
     /// Orders came since the last look: sent once the engine's outputs are drained, all
@@ -166,7 +262,6 @@ impl Chain {
             }
             waiting.sort_by_key(|(_, t)| (t.from_address, t.nonce));
         }
-        let own_nonce = ledger.account(me).nonce;
         info!(
             height = ledger.height(),
             waiting = waiting.len(),
@@ -182,8 +277,7 @@ impl Chain {
             asking: None,
             asked_at: None,
             granted: HashMap::new(),
-            own_nonce,
-            own_sent_at: None,
+            own: OwnNonces::default(),
             served: cannabis_market::rate::Limiter::default(),
             pending: HashMap::new(),
             orders: Vec::new(),
@@ -227,8 +321,9 @@ impl Chain {
     }
 
     /// Checks a transaction for the waiting list: it verified; its nonce is not below its
-    /// sender's next, nor one already waiting; its sender has room.
-    fn admit(&self, tx: &Transaction) -> Result<(), String> {
+    /// sender's next, nor one already waiting (the very transaction again is `Ok(false)`:
+    /// acknowledged again, kept once); its sender has room. `Ok(true)`: a new one.
+    fn admit(&self, signed: &Signed<Transaction>, tx: &Transaction) -> Result<bool, String> {
         let next = self.ledger.account(&tx.from_address).nonce;
         if tx.nonce < next {
             return Err(format!(
@@ -241,8 +336,11 @@ impl Chain {
             .iter()
             .filter(|(_, t)| t.from_address == tx.from_address);
         let mut count = 0;
-        for (_, t) in mine {
+        for (s, t) in mine {
             if t.nonce == tx.nonce {
+                if s.id() == signed.id() {
+                    return Ok(false);
+                }
                 return Err(format!("a transaction with nonce {} is waiting", tx.nonce));
             }
             count += 1;
@@ -259,9 +357,9 @@ impl Chain {
         // A transaction that cannot apply even in turn (a bad gas price, a lock on other
         // terms) is refused now rather than dropped later.
         match self.ledger.check(tx) {
-            Ok(()) | Err(TxRefusal::Nonce { .. }) => Ok(()),
+            Ok(()) | Err(TxRefusal::Nonce { .. }) => Ok(true),
             Err(e @ (TxRefusal::GasPrice { .. } | TxRefusal::Terms(_))) => Err(e.to_string()),
-            Err(_) => Ok(()),
+            Err(_) => Ok(true),
         }
     }
 }
@@ -370,7 +468,8 @@ impl Node {
         debug!(height, hash = %applied.hash, txs = txs.len(), "block taken");
         let me = self.address;
         if let Some(chain) = self.chain.as_mut() {
-            chain.own_nonce = chain.own_nonce.max(chain.ledger.account(&me).nonce);
+            let account = chain.ledger.account(&me).nonce;
+            chain.own.spent_below(account);
         }
         self.settle_due();
         self.drain();
@@ -437,9 +536,9 @@ impl Node {
         }
     }
 
-    /// At upkeep: when this node's own transactions sent over `OWN_PATIENCE` ago are in no
-    /// block (the sequencer dropped them: they no longer applied), its next nonce is its
-    /// account's again, so the next ones do not wait behind a gap.
+    /// At upkeep: when no block took any of this node's own transactions for
+    /// `OWN_PATIENCE` while some are out (the sequencer dropped one: it no longer applied),
+    /// its next nonce is its account's again, so the next ones do not wait behind a gap.
     pub(super) fn own_nonce_upkeep(&mut self) {
         let me = self.address;
         let Some(chain) = self.chain.as_mut() else {
@@ -447,16 +546,14 @@ impl Node {
         };
         chain.served.expire(now().0);
         let account = chain.ledger.account(&me).nonce;
-        let stale = chain
-            .own_sent_at
-            .is_some_and(|at| at.elapsed() > OWN_PATIENCE);
-        if chain.own_nonce > account && stale {
+        let ahead = chain.own.ahead(account);
+        if chain.own.stuck(account, OWN_PATIENCE) {
             warn!(
-                next = chain.own_nonce,
+                ahead,
                 account,
                 "transactions this node sent over a minute ago are in no block: its next nonce is its account's again"
             );
-            chain.own_nonce = account;
+            chain.own.clear();
         }
     }
 
@@ -549,7 +646,8 @@ impl Node {
                 warn!(height, error = %e, "the sequencer's own block does not apply");
             }
             chain.waiting = proposal.waiting;
-            chain.own_nonce = chain.own_nonce.max(chain.ledger.account(&me).nonce);
+            let account = chain.ledger.account(&me).nonce;
+            chain.own.spent_below(account);
             chain.schedule();
         }
         info!(height, hash = %header.id, txs = refs.len(), "block made");
@@ -563,14 +661,16 @@ impl Node {
     /// A transaction for the waiting list (the sequencer's): checked, kept, scheduled.
     /// This node's own transactions, handed to the sequencer together: where this node
     /// sequences, each is checked and all are kept with one durable write.
+    /// Escrow orders are [`Sender::Resent`]: one the sequencer could not be reached for is
+    /// sent again as it is.
     pub(super) fn submit_own_many(&mut self, batch: Vec<(Signed<Transaction>, Reply)>) {
         if batch.len() < 2 || !self.chain.as_ref().is_some_and(|c| c.sequencing) {
             for (signed, reply) in batch {
-                self.submit_own(signed, reply);
+                let nonce = nonce_of(&signed);
+                self.submit(signed, reply, Sender::Resent(nonce));
             }
             return;
         }
-        let me = self.address;
         let Some(chain) = self.chain.as_mut() else {
             return;
         };
@@ -579,39 +679,45 @@ impl Node {
             let checked = signed
                 .verify()
                 .map_err(|e| e.to_string())
-                .and_then(|v| chain.admit(&v.body).map(|()| v.body));
+                .and_then(|v| chain.admit(&signed, &v.body).map(|new| (v.body, new)));
             match checked {
-                Ok(tx) => admitted.push((signed, tx, reply)),
+                Ok((tx, new)) => admitted.push((signed, tx, new, reply)),
                 Err(e) => {
-                    chain.own_nonce = chain.ledger.account(&me).nonce;
+                    chain.own.give_back(nonce_of(&signed));
                     let _ = reply.send(Err(anyhow::anyhow!(e)));
                 }
             }
         }
         let rows: Vec<(Digest, Vec<u8>)> = admitted
             .iter()
-            .map(|(signed, _, _)| (signed.id(), signed.to_bytes()))
+            .filter(|(_, _, new, _)| *new)
+            .map(|(signed, _, _, _)| (signed.id(), signed.to_bytes()))
             .collect();
         if let Err(e) = self.store.put_pooled_many(&rows) {
-            for (_, _, reply) in admitted {
+            let Some(chain) = self.chain.as_mut() else {
+                return;
+            };
+            for (_, tx, new, reply) in admitted {
+                if new {
+                    chain.own.give_back(tx.nonce);
+                }
                 let _ = reply.send(Err(anyhow::anyhow!("not kept: {e:#}")));
-            }
-            if let Some(chain) = self.chain.as_mut() {
-                chain.own_nonce = chain.ledger.account(&me).nonce;
             }
             return;
         }
         let Some(chain) = self.chain.as_mut() else {
             return;
         };
-        for (signed, tx, reply) in admitted {
+        for (signed, tx, new, reply) in admitted {
             let submitted = api::Submitted {
                 id: signed.id().to_string(),
                 from: tx.from_address.to_string(),
                 nonce: tx.nonce,
                 fee: tx.fee,
             };
-            chain.waiting.push((signed, tx));
+            if new {
+                chain.waiting.push((signed, tx));
+            }
             let _ = reply.send(Ok(submitted));
         }
         chain.schedule();
@@ -631,17 +737,20 @@ impl Node {
             ));
         }
         let tx = signed.verify().map_err(|e| e.to_string())?.body;
-        chain.admit(&tx)?;
         let id = signed.id();
-        self.store
-            .put_pooled(&id, &signed.to_bytes())
-            .map_err(|e| format!("not kept: {e:#}"))?;
         let submitted = api::Submitted {
             id: id.to_string(),
             from: tx.from_address.to_string(),
             nonce: tx.nonce,
             fee: tx.fee,
         };
+        if !chain.admit(&signed, &tx)? {
+            // The very transaction again (its first answer was lost): kept already.
+            return Ok((id, submitted));
+        }
+        self.store
+            .put_pooled(&id, &signed.to_bytes())
+            .map_err(|e| format!("not kept: {e:#}"))?;
         if let Some(chain) = self.chain.as_mut() {
             chain.waiting.push((signed, tx));
             chain.schedule();
@@ -677,7 +786,14 @@ impl Node {
             .granted
             .retain(|_, at| t.saturating_sub(*at) < FAUCET_EVERY_MS);
         let signed = self.sign_own(Some(to), faucet.grant, TxPayload::Transfer)?;
-        self.keep_waiting(signed)
+        let nonce = nonce_of(&signed);
+        let kept = self.keep_waiting(signed);
+        if kept.is_err()
+            && let Some(chain) = self.chain.as_mut()
+        {
+            chain.own.give_back(nonce);
+        }
+        kept
     }
 
     /// A transaction from this node's account, with its next nonce.
@@ -690,14 +806,12 @@ impl Node {
         let Some(chain) = self.chain.as_mut() else {
             return Err("this node keeps no ledger (no genesis)".into());
         };
-        let nonce = chain
-            .own_nonce
-            .max(chain.ledger.account(&self.address).nonce);
+        let account = chain.ledger.account(&self.address).nonce;
+        let nonce = chain.own.next(account);
         let gas = chain.ledger.genesis().min_gas_price;
         let tx = Transaction::new(self.address, to, amount, nonce, gas, payload)
             .map_err(|e| e.to_string())?;
-        chain.own_nonce = nonce + 1;
-        chain.own_sent_at = Some(tokio::time::Instant::now());
+        chain.own.take(account);
         Ok(Signed::sign(&self.keys.signing, &tx))
     }
 
@@ -805,9 +919,10 @@ impl Node {
             }
             return;
         }
-        let Some((reply, submitted, own)) = chain.pending.remove(&id) else {
+        let Some((reply, submitted, sender)) = chain.pending.remove(&id) else {
             return;
         };
+        let delivered = answer.is_ok();
         let result = match answer {
             Ok(LedgerResponse::Submitted { id }) => Ok(api::Submitted {
                 id: id.to_string(),
@@ -819,12 +934,11 @@ impl Node {
             Ok(other) => Err(anyhow::anyhow!("the sequencer answered {other:?}")),
             Err(e) => Err(anyhow::anyhow!("{UNREACHABLE}: {e}")),
         };
-        if result.is_err() && own {
+        if result.is_err()
+            && let Some(nonce) = sender.given_back(delivered)
+        {
             // The nonce was not used: the next transaction takes it.
-            let me = self.address;
-            if let Some(chain) = self.chain.as_mut() {
-                chain.own_nonce = chain.ledger.account(&me).nonce;
-            }
+            chain.own.give_back(nonce);
         }
         let _ = reply.send(result);
     }
@@ -886,7 +1000,8 @@ impl Node {
     /// Sends a transaction of this node's to the sequencer (or keeps it, on the
     /// sequencer); `reply` gets the answer.
     pub(super) fn submit_own(&mut self, signed: Signed<Transaction>, reply: Reply) {
-        self.submit(signed, reply, true);
+        let nonce = nonce_of(&signed);
+        self.submit(signed, reply, Sender::Once(nonce));
     }
 
     /// `POST /v1/ledger/submit`: a transaction signed elsewhere (the resolver's, say),
@@ -896,10 +1011,10 @@ impl Node {
             let _ = reply.send(Err(anyhow::anyhow!("the transaction does not verify: {e}")));
             return;
         }
-        self.submit(signed, reply, false);
+        self.submit(signed, reply, Sender::Other);
     }
 
-    fn submit(&mut self, signed: Signed<Transaction>, reply: Reply, own: bool) {
+    fn submit(&mut self, signed: Signed<Transaction>, reply: Reply, sender: Sender) {
         let Some(chain) = self.chain.as_ref() else {
             let _ = reply.send(Err(anyhow::anyhow!(
                 "this node keeps no ledger (no genesis)"
@@ -911,11 +1026,11 @@ impl Node {
                 .keep_waiting(signed)
                 .map(|(_, s)| s)
                 .map_err(anyhow::Error::msg);
-            if kept.is_err() && own {
-                let me = self.address;
-                if let Some(chain) = self.chain.as_mut() {
-                    chain.own_nonce = chain.ledger.account(&me).nonce;
-                }
+            if kept.is_err()
+                && let Some(nonce) = sender.given_back(true)
+                && let Some(chain) = self.chain.as_mut()
+            {
+                chain.own.give_back(nonce);
             }
             let _ = reply.send(kept);
             return;
@@ -923,6 +1038,11 @@ impl Node {
         let peer = match sequencer_peer(chain) {
             Ok(p) => p,
             Err(e) => {
+                if let Some(nonce) = sender.given_back(true)
+                    && let Some(chain) = self.chain.as_mut()
+                {
+                    chain.own.give_back(nonce);
+                }
                 let _ = reply.send(Err(e));
                 return;
             }
@@ -946,7 +1066,7 @@ impl Node {
             .ledger
             .send_request(&peer, LedgerRequest::Submit(signed));
         if let Some(chain) = self.chain.as_mut() {
-            chain.pending.insert(id, (reply, submitted, own));
+            chain.pending.insert(id, (reply, submitted, sender));
         }
     }
 
@@ -1016,7 +1136,7 @@ impl Node {
             .ledger
             .send_request(&peer, LedgerRequest::Faucet { to: self.address });
         if let Some(chain) = self.chain.as_mut() {
-            chain.pending.insert(id, (reply, submitted, false));
+            chain.pending.insert(id, (reply, submitted, Sender::Other));
         }
     }
 
@@ -1307,6 +1427,11 @@ fn summarize_tx(signed: &Signed<Transaction>, t: &Transaction) -> api::TxSummary
     }
 }
 
+/// The nonce of a transaction this node signed.
+pub(super) fn nonce_of(signed: &Signed<Transaction>) -> u64 {
+    cannabis_protocol::decode::<Transaction>(signed.payload()).map_or(0, |t| t.nonce)
+}
+
 /// The sequencer's peer id.
 fn sequencer_peer(chain: &Chain) -> anyhow::Result<PeerId> {
     let sequencer = chain.ledger.genesis().sequencer;
@@ -1328,5 +1453,32 @@ fn summary(block: &Block) -> api::BlockSummary {
         compute_root: h
             .as_ref()
             .map_or(String::new(), |h| h.compute_root.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OwnNonces;
+
+    #[test]
+    fn own_nonces_fill_the_gap_a_given_back_one_leaves() {
+        let mut own = OwnNonces::default();
+        // Account at 5: three sent.
+        assert_eq!((own.take(5), own.take(5), own.take(5)), (5, 6, 7));
+        assert_eq!(own.ahead(5), 3);
+        // 6 was refused: the next one takes it, then goes on past 7.
+        own.give_back(6);
+        assert!(!own.holds(6));
+        assert_eq!(own.take(5), 6);
+        assert_eq!(own.take(5), 8);
+        // A block took 5 and 6: they are spent, the rest still held.
+        own.spent_below(7);
+        assert_eq!(own.ahead(7), 2);
+        assert!(own.holds(7) && own.holds(8) && !own.holds(5));
+        assert_eq!(own.next(7), 9);
+        // Another node's view of the account ahead of this one's: nothing below it counts.
+        assert_eq!(own.next(20), 20);
+        own.clear();
+        assert_eq!((own.ahead(7), own.next(7)), (0, 7));
     }
 }

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use cannabis_market::ledger::{Escrow, Ledger, Stage};
 use cannabis_market::{Command as MarketCommand, Settle};
-use cannabis_protocol::{Address, Amount, Timestamp, Uuid};
+use cannabis_protocol::{Address, Amount, Digest, Signed, Timestamp, Transaction, Uuid};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
+use super::ledger::OWN_AHEAD;
 use super::{Command, Node, now};
 
 /// An order sent and not in a block after this long was dropped by the sequencer (its
@@ -24,11 +25,21 @@ const RESEND_AFTER: Duration = Duration::from_secs(65);
 /// An order that could not apply for this long is given up (logged).
 const GIVE_UP_AFTER: Duration = Duration::from_secs(30 * 60);
 
+/// How many times the sequencer may refuse one order before it is let go (a lock's
+/// refusal then fails its job). Refusals below it are about the moment, not the order: a
+/// nonce its answer to an earlier try holds, a full sequencer; the order is signed again.
+const REFUSALS: u8 = 3;
+
 /// One operation the engine asked for.
 pub(crate) struct Order {
     settle: Settle,
     asked_at: tokio::time::Instant,
     sent_at: Option<tokio::time::Instant>,
+    /// The transaction carrying it while the sequencer may hold it: sent again as it is
+    /// when it was not delivered, so an answer lost on the way never makes two.
+    signed: Option<Signed<Transaction>>,
+    /// How many times the sequencer refused it.
+    refused: u8,
 }
 
 /// What the ledger's state says of an order.
@@ -164,6 +175,8 @@ impl Node {
             settle,
             asked_at: tokio::time::Instant::now(),
             sent_at: None,
+            signed: None,
+            refused: 0,
         });
         // Sent when the engine's outputs are drained, with every order that came with
         // this one.
@@ -197,7 +210,10 @@ impl Node {
     }
 
     /// Sends what applies now, lets go of what is done, and tells the engine how its
-    /// locks went (and the workers' strikes). After each block and at upkeep.
+    /// locks went (and the workers' strikes). After each block and at upkeep. No more than
+    /// [`OWN_AHEAD`] of this node's transactions go to the sequencer before a block takes
+    /// some (it holds 64 per sender and refuses the rest): a group's escrow assignments,
+    /// or locks held back while the sequencer was away, go over a few blocks.
     pub(super) fn settle_due(&mut self) {
         self.tell_strikes();
         let me = self.address;
@@ -207,13 +223,23 @@ impl Node {
         if chain.orders.is_empty() {
             return;
         }
-        let mut send = Vec::new();
+        let mut due = Vec::new();
         let mut locked: Vec<(Uuid, Option<String>)> = Vec::new();
         let orders = std::mem::take(&mut chain.orders);
         let mut keep = Vec::with_capacity(orders.len());
         for mut o in orders {
             let is_lock = matches!(o.settle, Settle::Lock(_));
-            match ready(chain.ledger(), &me, &o.settle, now().0) {
+            let state = ready(chain.ledger(), &me, &o.settle, now().0);
+            let over = matches!(state, Ready::Over(_))
+                || (state == Ready::Wait && o.asked_at.elapsed() > GIVE_UP_AFTER);
+            if over
+                && o.sent_at.is_none()
+                && let Some(signed) = &o.signed
+            {
+                // Let go with its last try undelivered: its nonce is free again.
+                chain.own.give_back(super::ledger::nonce_of(signed));
+            }
+            match state {
                 Ready::Over(result) => {
                     match &result {
                         Ok(()) => {
@@ -245,11 +271,45 @@ impl Node {
                         continue;
                     }
                     if o.sent_at.is_none() || stale {
-                        o.sent_at = Some(tokio::time::Instant::now());
-                        send.push(o.settle.clone());
+                        // A transaction whose nonce went (into a block, or given up) is
+                        // signed again.
+                        let held = o
+                            .signed
+                            .as_ref()
+                            .is_some_and(|s| chain.own.holds(super::ledger::nonce_of(s)));
+                        if stale || !held {
+                            o.signed = None;
+                        }
+                        due.push(keep.len());
                     }
                     keep.push(o);
                 }
+            }
+        }
+        let account = chain.ledger().account(&me).nonce;
+        let mut room = OWN_AHEAD.saturating_sub(chain.own.ahead(account));
+        let mut batch = Vec::with_capacity(due.len());
+        for i in due {
+            let o = &mut keep[i];
+            let (job, what) = (o.settle.job(), kind(&o.settle));
+            if o.signed.is_none() {
+                if room == 0 {
+                    // Sent once a block took some of this node's transactions.
+                    continue;
+                }
+                let (amount, payload) = o.settle.clone().into_payload();
+                match self.sign_own(None, amount, payload) {
+                    Ok(signed) => o.signed = Some(signed),
+                    Err(e) => {
+                        warn!(%job, kind = what, error = %e, "settlement not signed");
+                        continue;
+                    }
+                }
+                room -= 1;
+            }
+            o.sent_at = Some(tokio::time::Instant::now());
+            if let Some(signed) = &o.signed {
+                batch.push((job, what, signed.clone()));
             }
         }
         if let Some(chain) = self.chain.as_mut() {
@@ -263,28 +323,18 @@ impl Node {
                 debug!(%job, error = %e, "lock outcome not taken");
             }
         }
-        self.send_settles(send);
+        self.send_settles(batch);
         self.drain();
     }
 
-    /// Signs each of `settles` as this node's transaction and submits them together; a
-    /// refusal of a lock fails its job, of anything else is logged (the order is sent again
-    /// if it still applies).
-    fn send_settles(&mut self, settles: Vec<Settle>) {
-        let mut batch = Vec::with_capacity(settles.len());
-        for settle in settles {
-            let job = settle.job();
-            let what = kind(&settle);
-            let (amount, payload) = settle.into_payload();
-            let signed = match self.sign_own(None, amount, payload) {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(%job, kind = what, error = %e, "settlement not signed");
-                    continue;
-                }
-            };
-            let (tx, rx) = oneshot::channel();
-            batch.push((signed, tx));
+    /// Submits the signed orders together; the sequencer's answer to each comes back as a
+    /// [`Command::SettleSent`].
+    fn send_settles(&mut self, signed: Vec<(Uuid, &'static str, Signed<Transaction>)>) {
+        let mut batch = Vec::with_capacity(signed.len());
+        for (job, what, signed) in signed {
+            let (reply, rx) = oneshot::channel();
+            let tx = signed.id();
+            batch.push((signed, reply));
             let tell = self.self_tx.clone();
             tokio::spawn(async move {
                 let result = match rx.await {
@@ -296,6 +346,7 @@ impl Node {
                     .send(Command::SettleSent {
                         job,
                         lock: what == "lock",
+                        tx,
                         result,
                     })
                     .await;
@@ -304,30 +355,47 @@ impl Node {
         self.submit_own_many(batch);
     }
 
-    /// The sequencer's answer to a settlement transaction.
-    pub(super) fn settle_sent(&mut self, job: Uuid, lock: bool, result: Result<(), String>) {
+    /// The sequencer's answer to a settlement transaction (`tx`). Undelivered: the same
+    /// transaction goes again at the next upkeep or block. Refused: signed again, at most
+    /// [`REFUSALS`] times, after which a lock's refusal fails its job and any other order
+    /// waits [`RESEND_AFTER`] before its next try.
+    pub(super) fn settle_sent(
+        &mut self,
+        job: Uuid,
+        lock: bool,
+        tx: Digest,
+        result: Result<(), String>,
+    ) {
         let Err(why) = result else {
             return;
         };
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        let Some(at) = chain
+            .orders
+            .iter()
+            .position(|o| o.signed.as_ref().is_some_and(|s| s.id() == tx))
+        else {
+            // Over already, or signed again since.
+            return;
+        };
+        let o = &mut chain.orders[at];
         if why.starts_with(super::ledger::UNREACHABLE) {
-            // Nothing was decided: the sequencer is down or moved (a restart). The order
-            // goes again at the next upkeep or block, until it applies or the usual
-            // limits let it go.
+            // Nothing was decided: the sequencer is down or moved (a restart).
             warn!(%job, lock, %why, "settlement transaction not delivered: sent again shortly");
-            if let Some(chain) = self.chain.as_mut() {
-                for o in chain.orders.iter_mut().filter(|o| o.settle.job() == job) {
-                    o.sent_at = None;
-                }
-            }
+            o.sent_at = None;
             return;
         }
-        warn!(%job, lock, %why, "settlement transaction refused");
+        o.signed = None;
+        o.refused = o.refused.saturating_add(1);
+        warn!(%job, lock, %why, refused = o.refused, "settlement transaction refused");
+        if o.refused < REFUSALS {
+            o.sent_at = None;
+            return;
+        }
         if lock {
-            if let Some(chain) = self.chain.as_mut() {
-                chain
-                    .orders
-                    .retain(|o| !(o.settle.job() == job && matches!(o.settle, Settle::Lock(_))));
-            }
+            chain.orders.remove(at);
             let refused = Some(why);
             if let Err(e) = self
                 .market

@@ -81,6 +81,25 @@ fn transfers_reach_every_node_and_a_killed_sequencer_loses_no_acknowledged_trans
     assert!(format!("{over:#}").contains("spendable"), "{over:#}");
     assert_eq!(client(&nodes[2]).balance(None).unwrap().nonce, 0);
 
+    // The very transaction sent again (its first answer lost on the way) is acknowledged
+    // again, by the same id, and kept once; it does not cost its sender a refusal.
+    let k = cannabis_protocol::Keypair::from_secret([7; 32]);
+    let tx = cannabis_protocol::Transaction::new(
+        k.address(),
+        Some(a1.parse().unwrap()),
+        cannabis_protocol::Amount(1),
+        0,
+        1,
+        cannabis_protocol::TxPayload::Transfer,
+    )
+    .unwrap();
+    let signed = cannabis_api::SubmitTx {
+        tx: hex::encode(cannabis_protocol::Signed::sign(&k, &tx).to_bytes()),
+    };
+    let first = client(&nodes[1]).submit_tx(&signed).unwrap();
+    let again = client(&nodes[1]).submit_tx(&signed).unwrap();
+    assert_eq!(first.id, again.id);
+
     // Node 2 stops; transactions go on without it.
     let (pid2, cmd2) = net.process(2);
     kill(pid2);

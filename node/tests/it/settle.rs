@@ -468,3 +468,60 @@ fn jobs_lock_before_award_and_settle_by_acceptance_window_dispute_and_deadline()
     );
     drop(net);
 }
+
+#[test]
+fn a_requester_locks_more_budgets_at_once_than_the_sequencer_holds_for_one_sender() {
+    // The sequencer holds 64 waiting transactions per sender and refuses the rest: a
+    // requester (not the sequencer) with 80 locks to send keeps no more than 48 at the
+    // sequencer and sends the rest as blocks take them. Before, the 65th and later were
+    // refused and their jobs failed.
+    let dir = tempfile::tempdir().unwrap();
+    let net_dir = dir.path().join("net");
+    let net = Testnet::up(&net_dir, 2);
+    let nodes = net.nodes();
+    let requester = ApiClient::from_data_dir(&nodes[1]).unwrap();
+    // The sequencer (node 0) is down while the jobs are submitted: their locks cannot be
+    // delivered, and all are due together once it is back.
+    let testnet = |what: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+            .args(["testnet", what, "0", "--dir", net_dir.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    testnet("kill");
+    let ids: Vec<String> = (0..80)
+        .map(|k| {
+            let mut t = cannabis_testnet::bench::bench_offer(k);
+            t.name = Some(format!("lock-{k}"));
+            requester.submit_job(&t).unwrap().job_id
+        })
+        .collect();
+    testnet("restart");
+    let until = Instant::now() + Duration::from_secs(90);
+    loop {
+        let jobs: Vec<JobDetail> = ids.iter().map(|id| requester.job(id).unwrap()).collect();
+        for j in &jobs {
+            assert_ne!(
+                j.summary.state,
+                JobState::Failed,
+                "{}: {:#?}",
+                j.summary.job_id,
+                j.history
+            );
+        }
+        let locked = jobs
+            .iter()
+            .filter(|j| j.escrowed == Escrowed::Locked)
+            .count();
+        if locked == ids.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "{locked} of {} budgets locked after 90 s",
+            ids.len()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
