@@ -18,7 +18,10 @@ use crate::quote::{self, Answer};
 
 impl Market {
     /// A new offer (or a new version of one) this node holds now: answer each task it has
-    /// not answered yet.
+    /// not declined and does not hold a live lease of. A bid for an earlier version is no
+    /// reason to stay silent: a requester publishes a new version when it lacks bids (a
+    /// wider call, or the bids called for again), and the bid it lacks may be this one (lost
+    /// on the way, or let go with a refused award); the requester keeps the newer bid.
     pub(super) fn answer_offer(&mut self, item: &Arc<Received<JobOffer>>) {
         let me = self.me.address;
         let offer = &item.body;
@@ -37,8 +40,14 @@ impl Market {
         let declined = self.declined.get(&offer.job_id);
         let answers: Vec<(u32, Answer)> = (0..offer.tasks.len() as u32)
             .filter(|&t| {
-                self.leases.bid_for(&offer.job_id, t).is_none()
-                    && declined.is_none_or(|d| !d.contains(&t))
+                let answered = self
+                    .leases
+                    .bid_for(&offer.job_id, t)
+                    .is_some_and(|(_, sent)| sent.bid.offer == item.id);
+                let running = self.leases.iter().any(|((job, task, _), l)| {
+                    *job == offer.job_id && *task == t && l.is_live() && l.expires_at > now
+                });
+                !answered && !running && declined.is_none_or(|d| !d.contains(&t))
             })
             .filter_map(|t| {
                 let terms = self.config.fee.as_ref();

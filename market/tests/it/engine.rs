@@ -884,19 +884,7 @@ fn a_worker_whose_bid_was_refused_bids_again_when_the_bids_are_called_for_again(
     assert_eq!(j.tasks()[0].ranks()[0].worker, one, "{:?}", j.history());
     net.queue.push(held_back);
     net.settle(end);
-    net.nodes[1]
-        .market
-        .command(
-            end,
-            Command::Ran {
-                request_id: RunOrder::request_id(&(job, 0, 0), 1),
-                stage: RunStage::Failed,
-                detail: "exit status 1".into(),
-            },
-        )
-        .unwrap();
-    net.drain(1, end);
-    net.settle(end);
+    first_run_fails_on_node_1(&mut net, job, end);
     let j = net.nodes[0].market.job(&job).unwrap();
     assert_eq!(
         *j.tasks()[0].status(),
@@ -904,6 +892,48 @@ fn a_worker_whose_bid_was_refused_bids_again_when_the_bids_are_called_for_again(
         "{:?}",
         j.history()
     );
+    let again = &j.tasks()[0].ranks()[0];
+    assert_eq!((again.epoch, again.worker), (2, late), "{:?}", j.history());
+    assert!(
+        j.history().iter().any(|e| e
+            .text
+            .starts_with("no bids left: bids called for again (1 of 5")),
+        "{:?}",
+        j.history()
+    );
+}
+
+#[test]
+fn a_worker_whose_bid_never_arrived_bids_again_when_the_bids_are_called_for_again() {
+    // Node 2's bid is lost on the way and never answered, so node 2 still holds it. Node 1
+    // is placed and its run fails; with no bids left the requester calls for them again,
+    // and node 2 bids on that version (a bid held for an earlier version is no reason to
+    // stay silent) and is placed. Before, it stayed silent on every later version and the
+    // task failed after its last call (seen in CI: the paused-worker scenario).
+    let nodes = (0..3)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let late = net.nodes[2].address();
+    let one = net.nodes[1].address();
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let job = submit_task(&mut net, task, [1; 16]);
+    let lost = |e: &Envelope| {
+        matches!(e, Envelope::Request { from, msg, .. }
+            if *from == late && matches!(**msg, Inbound::Bid(_)))
+    };
+    net.run(T0, lost, 100_000);
+    assert!(
+        net.nodes[2].market.leases().bid_for(&job, 0).is_some(),
+        "node 2 holds the bid that never arrived"
+    );
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(j.tasks()[0].ranks()[0].worker, one, "{:?}", j.history());
+    first_run_fails_on_node_1(&mut net, job, end);
+    let j = net.nodes[0].market.job(&job).unwrap();
     let again = &j.tasks()[0].ranks()[0];
     assert_eq!((again.epoch, again.worker), (2, late), "{:?}", j.history());
     assert!(
@@ -1229,6 +1259,24 @@ fn a_lease_acceptance_whose_connection_drops_is_sent_again_while_the_lease_holds
         j.tasks()[0].ranks()[0].state,
         cannabis_market::job::LeaseState::Offered
     );
+}
+
+/// Node 1's run of the first attempt (epoch 1) of task 0 of `job` fails at `now`, and the
+/// network takes what follows.
+fn first_run_fails_on_node_1(net: &mut Net, job: Uuid, now: Timestamp) {
+    net.nodes[1]
+        .market
+        .command(
+            now,
+            Command::Ran {
+                request_id: RunOrder::request_id(&(job, 0, 0), 1),
+                stage: RunStage::Failed,
+                detail: "exit status 1".into(),
+            },
+        )
+        .unwrap();
+    net.drain(1, now);
+    net.settle(now);
 }
 
 /// Delivers everything in flight at `now` but node 1's requests that `lost` picks, each of
