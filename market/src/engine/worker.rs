@@ -318,6 +318,15 @@ impl Market {
             epoch: s.epoch,
             reason: s.reason,
         });
+        let max = self.config.worker.max_leases as usize;
+        if self.leases.live_count(self.now) + 1 == max {
+            // It was full, and stayed silent on every offer since: it answers them now,
+            // rather than waiting for their next versions (if any come).
+            let held: Vec<_> = self.view.offers().map(|e| e.item().clone()).collect();
+            for item in held {
+                self.answer_offer(&item);
+            }
+        }
     }
 
     /// Ends leases that ran out; forgets bids whose quote ran out and leases long over.

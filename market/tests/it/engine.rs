@@ -508,15 +508,26 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
         0,
         "a full worker does not quote"
     );
-    // The running job ends; at the next call the worker, free again, bids and is placed at
-    // once, without waiting out the window.
+    // The running job ends: the worker, free again, quotes at once on the offers it stayed
+    // silent on while full (the job called for again, and the third job), and the job
+    // called for again is placed at once, without waiting out its window.
     net.nodes[0]
         .market
         .command(end, Command::Cancel(running))
         .unwrap();
     net.drain(0, end);
     net.settle(end);
-    assert_eq!(net.nodes[1].market.leases().live_count(end), 0);
+    assert_eq!(
+        net.nodes[0].market.job(&c).unwrap().tasks()[0].bid_count(),
+        1,
+        "a worker free again quotes on what it stayed silent on"
+    );
+    assert_eq!(
+        status(&net, &waiting),
+        TaskStatus::Running,
+        "{:?}",
+        history(&net, &waiting)
+    );
     let recall = end.plus_ms(2 * WINDOW);
     net.tick(recall);
     net.settle(recall);
@@ -528,10 +539,7 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
     );
     let j = net.nodes[0].market.job(&waiting).unwrap();
     assert_eq!(j.tasks()[0].ranks()[0].epoch, 2);
-    assert!(
-        j.offer().expires_at > recall,
-        "placed before the window ended"
-    );
+    assert!(j.offer().expires_at > end, "placed before the window ended");
 }
 
 #[test]
