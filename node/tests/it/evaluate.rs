@@ -351,7 +351,14 @@ fn the_numpy_example_trains_on_a_worker_is_evaluated_and_settles() {
         "{}",
         String::from_utf8_lossy(&made.stderr)
     );
-    let job = std::fs::read_to_string(work.join("job.toml")).unwrap();
+    // A bid window of 5 s, not the example's 2 s: beside other tests' sandboxes on two
+    // cores a bid can come later than 2 s, and a task no bid reached in its window fails
+    // (a CI run failed so, "cannot be placed: no valid bids").
+    let job = std::fs::read_to_string(work.join("job.toml"))
+        .unwrap()
+        .replace("bid_window = \"2s\"", "bid_window = \"5s\"");
+    assert!(job.contains("bid_window = \"5s\""));
+    std::fs::write(work.join("job.toml"), &job).unwrap();
     let one_epoch = job
         .replace("\"--epochs\", \"100\"", "\"--epochs\", \"1\"")
         .replace("name = \"numpy-train\"", "name = \"numpy-train-1-epoch\"");
