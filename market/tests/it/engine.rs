@@ -900,15 +900,7 @@ fn a_worker_whose_bid_was_refused_bids_again_when_the_bids_are_called_for_again(
         "{:?}",
         j.history()
     );
-    let again = &j.tasks()[0].ranks()[0];
-    assert_eq!((again.epoch, again.worker), (2, late), "{:?}", j.history());
-    assert!(
-        j.history().iter().any(|e| e
-            .text
-            .starts_with("no bids left: bids called for again (1 of 5")),
-        "{:?}",
-        j.history()
-    );
+    placed_again_after_one_call(&net, job, late);
 }
 
 #[test]
@@ -941,16 +933,7 @@ fn a_worker_whose_bid_never_arrived_bids_again_when_the_bids_are_called_for_agai
     let j = net.nodes[0].market.job(&job).unwrap();
     assert_eq!(j.tasks()[0].ranks()[0].worker, one, "{:?}", j.history());
     first_run_fails_on_node_1(&mut net, job, end);
-    let j = net.nodes[0].market.job(&job).unwrap();
-    let again = &j.tasks()[0].ranks()[0];
-    assert_eq!((again.epoch, again.worker), (2, late), "{:?}", j.history());
-    assert!(
-        j.history().iter().any(|e| e
-            .text
-            .starts_with("no bids left: bids called for again (1 of 5")),
-        "{:?}",
-        j.history()
-    );
+    placed_again_after_one_call(&net, job, late);
 }
 
 #[test]
@@ -1266,6 +1249,26 @@ fn a_lease_acceptance_whose_connection_drops_is_sent_again_while_the_lease_holds
     assert_eq!(
         j.tasks()[0].ranks()[0].state,
         cannabis_market::job::LeaseState::Offered
+    );
+}
+
+/// Task 0 of `job` is held by `worker` at epoch 2, after the requester called for bids
+/// again once.
+fn placed_again_after_one_call(net: &Net, job: Uuid, worker: Address) {
+    let j = net.nodes[0].market.job(&job).unwrap();
+    let again = &j.tasks()[0].ranks()[0];
+    assert_eq!(
+        (again.epoch, again.worker),
+        (2, worker),
+        "{:?}",
+        j.history()
+    );
+    assert!(
+        j.history().iter().any(|e| e
+            .text
+            .starts_with("no bids left: bids called for again (1 of 5")),
+        "{:?}",
+        j.history()
     );
 }
 
