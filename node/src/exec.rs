@@ -2,6 +2,7 @@
 //! the owner's limits, the journal in the node's store, and [`ExecutorHandle`], which runs
 //! work either in this process or through a root supervisor (`crate::supervisor`).
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,6 +13,62 @@ use cannabis_runtime::exec::{
 };
 
 use crate::supervisor::{ExecutorStatus, Request, SupervisorClient};
+
+/// The smallest MTU a group interface may have (IPv4's least).
+const MIN_MTU: u32 = 576;
+/// The largest.
+const MAX_MTU: u32 = 65_535;
+
+/// Makes attempt `id`'s group interface with rank `rank`'s address in its sandbox's
+/// network namespace ([`cannabis_runtime::groupnet::make_interface`]): only for an
+/// attempt admitted as a group's rank (held, with TCP on its loopback) at that very rank,
+/// whose sandbox is made and not ended. The namespace is found from the attempt's own
+/// monitor as the executor recorded it, never from anything the caller names; the kernel
+/// allows one such device per sandbox while its descriptor is open. Needs root.
+pub fn group_interface(ex: &Executor, id: &str, rank: u32, mtu: u32) -> Result<OwnedFd, ExecError> {
+    if !(MIN_MTU..=MAX_MTU).contains(&mtu) {
+        return Err(ExecError::Refused(format!(
+            "an MTU of {mtu}: it must be {MIN_MTU} to {MAX_MTU}"
+        )));
+    }
+    let a = ex.get(id)?;
+    if !(a.request.hold && a.request.loopback) {
+        return Err(ExecError::Refused(format!(
+            "attempt {id} is not a group's rank"
+        )));
+    }
+    let admitted = a
+        .request
+        .env
+        .iter()
+        .find(|(k, _)| k == "RANK")
+        .map(|(_, v)| v.as_str());
+    if admitted != Some(rank.to_string().as_str()) {
+        return Err(ExecError::Refused(format!(
+            "attempt {id} was admitted as rank {}, not {rank}",
+            admitted.unwrap_or("(none)")
+        )));
+    }
+    if a.state.is_final() {
+        return Err(ExecError::Refused(format!(
+            "attempt {id} is {}",
+            a.state.name()
+        )));
+    }
+    let pid = a
+        .monitor_pid
+        .ok_or_else(|| ExecError::Refused(format!("attempt {id} has no sandbox yet")))?;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| {
+        ExecError::Unavailable(format!(
+            "the network namespace of attempt {id}'s sandbox: {e}"
+        ))
+    })?;
+    cannabis_runtime::groupnet::make_interface(&ns, rank, mtu).map_err(|e| {
+        ExecError::Unavailable(format!(
+            "making the group interface in attempt {id}'s sandbox: {e}"
+        ))
+    })
+}
 
 /// Processes the machine offers when nothing else says.
 const DEFAULT_PROCESSES: u64 = 4096;
@@ -260,6 +317,16 @@ impl ExecutorHandle {
     /// Lets a held attempt's command start.
     pub fn release(&self, id: &str) -> Result<(), ExecError> {
         self.ask(|ex| ex.release(id), || Request::Release { id: id.into() })
+    }
+
+    /// Makes held attempt `id`'s group interface, rank `rank`'s with `mtu`, in its
+    /// sandbox's network namespace, and hands over the device (a supervisor's, which is
+    /// root, as a descriptor over its socket).
+    pub fn interface(&self, id: &str, rank: u32, mtu: u32) -> Result<OwnedFd, ExecError> {
+        match self {
+            Self::Local(ex) => group_interface(ex, id, rank, mtu),
+            Self::Supervised(s) => s.client.interface(id, rank, mtu),
+        }
     }
 
     /// Runs a failed attempt again.

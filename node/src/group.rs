@@ -587,11 +587,16 @@ impl Groups {
     }
 
     /// The sandbox of executor request `request_id` is made, held before its start, and
-    /// its monitor is process `pid` (inside its network namespace): the rank's interface
-    /// is made there, its router starts, it opens its channels to the lower ranks (the
-    /// higher ones open theirs to it), and once all are up the sandbox is released.
-    /// Nothing for a request of no group, or one attached already.
-    pub fn attach(self: &Arc<Self>, request_id: &str, pid: u32) -> anyhow::Result<()> {
+    /// `device` is its group interface (made by the executor in the sandbox's network
+    /// namespace), or why there is none: the rank's router starts on the device, it opens
+    /// its channels to the lower ranks (the higher ones open theirs to it), and once all
+    /// are up the sandbox is released. Nothing for a request of no group, or one attached
+    /// already (the device is closed, and the interface goes with it).
+    pub fn attach(
+        self: &Arc<Self>,
+        request_id: &str,
+        device: Result<OwnedFd, String>,
+    ) -> anyhow::Result<()> {
         let Some((id, rank, ranks)) = self
             .members()
             .iter()
@@ -600,12 +605,9 @@ impl Groups {
         else {
             return Ok(());
         };
-        let made = std::fs::File::open(format!("/proc/{pid}/ns/net"))
-            .with_context(|| format!("the network namespace of sandbox process {pid}"))
-            .and_then(|ns| {
-                groupnet::make_interface(&ns, rank, MTU)
-                    .context("making the group interface in the sandbox")
-            })
+        let made = device
+            .map_err(|e| anyhow::anyhow!(e))
+            .context("making the group interface in the sandbox")
             .and_then(|device| Net::new(rank, device));
         let net = match made {
             Ok(net) => net,

@@ -145,10 +145,11 @@ pub(crate) enum Command {
         stage: cannabis_protocol::RunStage,
         detail: String,
     },
-    /// A leased attempt's sandbox runs as process `pid`: its group's channel reaches in.
+    /// A group rank's held sandbox got its group interface (the device), or could not
+    /// (why): its group's channel takes the device.
     Sandboxed {
         request_id: String,
-        pid: u32,
+        device: Result<std::os::fd::OwnedFd, String>,
     },
     /// A completed leased attempt's outputs are sealed: deliver the manifest.
     Prepared {
@@ -1291,8 +1292,8 @@ impl Node {
                     self.drain();
                 }
             }
-            Command::Sandboxed { request_id, pid } => {
-                if let Err(e) = self.groups.attach(&request_id, pid) {
+            Command::Sandboxed { request_id, device } => {
+                if let Err(e) = self.groups.attach(&request_id, device) {
                     warn!(%request_id, error = %format!("{e:#}"), "group channel cannot reach the sandbox");
                 }
             }

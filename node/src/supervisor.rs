@@ -6,7 +6,8 @@
 //! JSON body (at most [`MAX_FRAME`] bytes). The supervisor learns who is calling from the
 //! kernel (`SO_PEERCRED`), never from the frame: the configured node user may use every
 //! operation the node needs (admit, renew, stop, status, bounded output reads, the owner's
-//! switch and limits), root may also clear quarantined work, and anyone else is refused.
+//! switch and limits, a group rank's network device), root may also clear quarantined
+//! work, and anyone else is refused.
 //! Files an admission names (the bundle, staged inputs) travel as open file descriptors
 //! (`SCM_RIGHTS`) that the caller opened with its own rights: the supervisor never opens a
 //! path on the node's behalf, and copies what it was handed into its own spool, bounded.
@@ -89,6 +90,19 @@ pub enum Request {
     Release {
         /// Its id.
         id: String,
+    },
+    /// Make a held attempt's group interface in its sandbox's network namespace (which
+    /// takes root) and hand over the device: the reply comes with its descriptor
+    /// (`SCM_RIGHTS`). Only for an attempt admitted as a group's rank (held, with TCP on
+    /// its loopback) at that rank, whose sandbox is made and not ended; the kernel allows
+    /// one such device per sandbox while its descriptor is open.
+    Interface {
+        /// The attempt.
+        id: String,
+        /// Its rank: the address the device gets, as the attempt's `RANK`.
+        rank: u32,
+        /// The device's MTU.
+        mtu: u32,
     },
     /// Run a failed attempt again, by the owner's decision.
     Retry {
@@ -519,6 +533,16 @@ impl Supervisor {
                         Err(e) => reply(stream, Err(e.into())),
                     }
                 }
+                Ok(Request::Interface { id, rank, mtu }) if fds.is_empty() => {
+                    // The device goes with the reply, as a descriptor.
+                    match crate::exec::group_interface(&self.executor, &id, rank, mtu) {
+                        Ok(device) => {
+                            info!(attempt = %id, rank, "group interface made in the sandbox");
+                            reply_with(stream, Ok(serde_json::Value::Null), &[device.as_raw_fd()])
+                        }
+                        Err(e) => reply(stream, Err(e.into())),
+                    }
+                }
                 Ok(request) => reply(stream, self.handle(caller, request, fds)),
                 Err(e) => reply(
                     stream,
@@ -577,10 +601,10 @@ impl Supervisor {
                 info!(?caller, limits = ?set, "the owner's limits set");
                 to_value(set)
             }
-            Request::Output { .. } => {
+            Request::Output { .. } | Request::Interface { .. } => {
                 return Err(WireError::new(
                     ErrorKind::BadRequest,
-                    "output reads are served apart",
+                    "output reads and interfaces are served apart, with no descriptors",
                 ));
             }
         };
@@ -716,14 +740,14 @@ fn spool_copy(fd: OwnedFd, to: &Path, budget: u64) -> Result<u64, WireError> {
     Ok(n)
 }
 
-/// Sends a request and reads its reply, and the raw bytes after a successful output read
-/// when `bytes` is given.
+/// Sends a request and reads its reply (with the descriptors that came with it), and the
+/// raw bytes after a successful output read when `bytes` is given.
 fn round_trip(
     stream: &UnixStream,
     body: &[u8],
     fds: &[RawFd],
     bytes: Option<&mut Vec<u8>>,
-) -> io::Result<Reply> {
+) -> io::Result<(Reply, Vec<OwnedFd>)> {
     if let Err(sent) = write_frame(stream, body, fds) {
         // A supervisor that refuses the caller answers at once and closes: a request
         // written after that fails, and the answer waiting in the socket says why.
@@ -734,25 +758,35 @@ fn round_trip(
             return Err(sent);
         }
         let (reply, _) = read_frame(stream).map_err(|_| sent)?;
-        return serde_json::from_slice(&reply)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
+        let reply = serde_json::from_slice(&reply)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        return Ok((reply, Vec::new()));
     }
-    let (reply, _) = read_frame(stream)?;
+    let (reply, handed) = read_frame(stream)?;
     let reply: Reply = serde_json::from_slice(&reply)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     if let (Reply::Ok(_), Some(bytes)) = (&reply, bytes) {
         *bytes = read_frame(stream)?.0;
     }
-    Ok(reply)
+    Ok((reply, handed))
 }
 
 fn reply(stream: &UnixStream, answer: Result<serde_json::Value, WireError>) -> io::Result<()> {
+    reply_with(stream, answer, &[])
+}
+
+/// A reply that hands `fds` over with it.
+fn reply_with(
+    stream: &UnixStream,
+    answer: Result<serde_json::Value, WireError>,
+    fds: &[RawFd],
+) -> io::Result<()> {
     let reply = match answer {
         Ok(v) => Reply::Ok(v),
         Err(e) => Reply::Err(e),
     };
     let body = serde_json::to_vec(&reply).map_err(io::Error::other)?;
-    write_frame(stream, &body, &[])
+    write_frame(stream, &body, fds)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -804,17 +838,35 @@ impl SupervisorClient {
                 "output reads go through SupervisorClient::read_output".into(),
             ));
         }
-        self.exchange(request, fds, None)
+        self.exchange(request, fds, None).map(|(v, _)| v)
     }
 
-    /// One request and its reply; `bytes` takes the frame of raw bytes that follows a
-    /// successful output read.
+    /// Makes attempt `id`'s group interface, rank `rank`'s, in its sandbox
+    /// ([`Request::Interface`]): the device's descriptor.
+    pub fn interface(&self, id: &str, rank: u32, mtu: u32) -> Result<OwnedFd, ExecError> {
+        let request = Request::Interface {
+            id: id.into(),
+            rank,
+            mtu,
+        };
+        let ((), mut handed) = self.exchange(&request, &[], None)?;
+        if handed.len() != 1 {
+            return Err(ExecError::Unavailable(format!(
+                "the supervisor made the interface but handed over {} descriptors",
+                handed.len()
+            )));
+        }
+        Ok(handed.remove(0))
+    }
+
+    /// One request and its reply, and the descriptors that came with it; `bytes` takes
+    /// the frame of raw bytes that follows a successful output read.
     fn exchange<T: serde::de::DeserializeOwned>(
         &self,
         request: &Request,
         fds: &[RawFd],
         mut bytes: Option<&mut Vec<u8>>,
-    ) -> Result<T, ExecError> {
+    ) -> Result<(T, Vec<OwnedFd>), ExecError> {
         let body = serde_json::to_vec(request).map_err(|e| ExecError::Refused(e.to_string()))?;
         let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         // A connection that broke since its last use (a supervisor restart) gets the
@@ -827,12 +879,14 @@ impl SupervisorClient {
                 None => self.connect()?,
             };
             match round_trip(&stream, &body, fds, bytes.as_deref_mut()) {
-                Ok(reply) => {
+                Ok((reply, handed)) => {
                     *conn = Some(stream);
                     return match reply {
-                        Reply::Ok(v) => serde_json::from_value(v).map_err(|e| {
-                            ExecError::Unavailable(format!("the supervisor's answer: {e}"))
-                        }),
+                        Reply::Ok(v) => {
+                            serde_json::from_value(v).map(|v| (v, handed)).map_err(|e| {
+                                ExecError::Unavailable(format!("the supervisor's answer: {e}"))
+                            })
+                        }
                         Reply::Err(e) => Err(e.into()),
                     };
                 }
@@ -865,7 +919,7 @@ impl SupervisorClient {
             max,
         };
         let mut data = Vec::new();
-        let mut chunk: Chunk = self.exchange(&request, &[], Some(&mut data))?;
+        let (mut chunk, _): (Chunk, _) = self.exchange(&request, &[], Some(&mut data))?;
         chunk.data = data;
         Ok(chunk)
     }
@@ -917,7 +971,7 @@ mod tests {
         let refused = WireError::new(ErrorKind::NotAllowed, "uid 7 may not use this supervisor");
         reply(&server, Err(refused)).unwrap();
         drop(server);
-        let answer = round_trip(&client, br#"{"op":"status"}"#, &[], None).unwrap();
+        let (answer, _) = round_trip(&client, br#"{"op":"status"}"#, &[], None).unwrap();
         match answer {
             Reply::Err(e) => assert!(e.message.contains("may not use"), "{e:?}"),
             Reply::Ok(v) => panic!("refused, yet {v}"),

@@ -161,9 +161,11 @@ pub(super) fn spawn(
             let start = match &order {
                 RunOrder::Start {
                     request_id,
+                    key,
                     task,
                     requester,
                     deliver_to,
+                    group,
                     ..
                 } => Some(Delivery {
                     request_id: request_id.clone(),
@@ -172,6 +174,7 @@ pub(super) fn spawn(
                     to: *deliver_to,
                     data_dir: data_dir.clone(),
                     corrupt: corrupt.clone(),
+                    rank: group.is_some().then_some(key.2),
                 }),
                 _ => None,
             };
@@ -338,6 +341,8 @@ struct Delivery {
     data_dir: PathBuf,
     /// A testnet fault: deliver wrong outputs ([`crate::delivery::SealOrder::corrupt`]).
     corrupt: Arc<AtomicBool>,
+    /// The attempt's rank, for a group's: its sandbox gets the group's interface.
+    rank: Option<u32>,
 }
 
 /// Reports each stage a leased attempt reaches (admitted, preparing, running, then how it
@@ -364,14 +369,23 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
         };
         known = Some(attempt.id.clone());
         let stage = stage_of(&attempt);
-        // The sandbox exists (a held one waits for its node to connect it to its group).
-        if let (false, Some(pid)) = (sandboxed, attempt.monitor_pid)
+        // A group rank's sandbox exists, held until its node connects it to its group:
+        // the executor (root, or the supervisor) makes its interface, and the node's
+        // group channel takes the device.
+        if let (false, Some(rank), Some(_)) = (sandboxed, d.rank, attempt.monitor_pid)
             && !stage.is_final()
         {
             sandboxed = true;
+            let (ex2, id) = (ex.clone(), attempt.id.clone());
+            let device = tokio::task::spawn_blocking(move || {
+                ex2.interface(&id, rank, crate::group::MTU)
+                    .map_err(|e| e.to_string())
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
             let sandboxed = Command::Sandboxed {
                 request_id: request_id.clone(),
-                pid,
+                device,
             };
             if node.send(sandboxed).await.is_err() {
                 return;

@@ -10,7 +10,7 @@ use libp2p::{Multiaddr, PeerId, identity, noise, tcp, yamux};
 use super::settle::{client, wait_job};
 use super::testnet::{Testnet, wait_for_workers};
 
-const JOB: &str = r#"
+pub(crate) const JOB: &str = r#"
 name = "all-reduce"
 deadline = "10m"
 bid_window = "5s"
@@ -87,7 +87,7 @@ fn submit_group(dir: &std::path::Path, nodes: u32, job: &str, program: &str) -> 
 
 /// Submits `job` from `requester`, its bundle holding `program` as `allreduce.py` (and
 /// [`SUM`] as `sum.py`), made in `work`: the job's id.
-fn submit_bundle(
+pub(crate) fn submit_bundle(
     requester: &std::path::Path,
     work: &std::path::Path,
     job: &str,
@@ -99,8 +99,27 @@ fn submit_bundle(
     super::settle::submit_file(requester, &work.join("job.toml"))
 }
 
+/// Waits (up to `secs`) for job `id` of `requester` to end, and checks that it completed
+/// (its history, if not).
+pub(crate) fn completed(
+    requester: &std::path::Path,
+    id: &str,
+    secs: u64,
+) -> cannabis_api::JobDetail {
+    let done = wait_job(requester, id, secs, "the job to finish", |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+    });
+    assert_eq!(
+        done.summary.state,
+        cannabis_market::job::JobState::Completed,
+        "{:#?}",
+        done.history
+    );
+    done
+}
+
 /// Each rank's `sum.txt` as delivered, sorted.
-fn sums(done: &cannabis_api::JobDetail) -> Vec<String> {
+pub(crate) fn sums(done: &cannabis_api::JobDetail) -> Vec<String> {
     let mut sums: Vec<String> = done.tasks[0]
         .delivered
         .iter()
@@ -183,15 +202,7 @@ fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
     assert_eq!(got, 0, "the stranger's stream carried {got} bytes back");
 
     // Every rank's output shows the sum of the three values.
-    let done = wait_job(requester, &id, 120, "the job to finish", |j| {
-        j.summary.state != cannabis_market::job::JobState::Open
-    });
-    assert_eq!(
-        done.summary.state,
-        cannabis_market::job::JobState::Completed,
-        "{:#?}",
-        done.history
-    );
+    let done = completed(requester, &id, 120);
     assert_eq!(
         sums(&done),
         [
@@ -440,15 +451,7 @@ fn a_killed_rank_restarts_every_rank_from_its_checkpoint_and_past_the_budget_the
     let dir = super::exec::open_dir();
     let (net, once) = submit_group(dir.path(), 3, &restart_job("once"), RESTART_PROGRAM);
     let requester = net.nodes()[0].clone();
-    let done = wait_job(&requester, &once, 180, "the job to finish", |j| {
-        j.summary.state != cannabis_market::job::JobState::Open
-    });
-    assert_eq!(
-        done.summary.state,
-        cannabis_market::job::JobState::Completed,
-        "{:#?}",
-        done.history
-    );
+    let done = completed(&requester, &once, 180);
     let sums = sums(&done);
     assert_eq!(sums.len(), 2, "{sums:?}");
     // Rank 0 was stopped wherever it was and resumed from its own checkpoint; rank 1

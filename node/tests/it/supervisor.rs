@@ -157,20 +157,20 @@ fn supervisor(users: &Users, dirs: &Dirs) -> Proc {
 }
 
 fn node(users: &Users, dirs: &Dirs) -> Proc {
+    let args = ["node", "run", "--no-mdns"].map(String::from);
+    node_with(users, dirs, &args)
+}
+
+/// The node of `dirs` as the node user, with `args` (a `node run` command line without
+/// its listen, API and supervisor settings), once its executor answers.
+fn node_with(users: &Users, dirs: &Dirs, args: &[String]) -> Proc {
     let dir = dirs.node();
     let _ = std::fs::remove_file(dir.join("node.json"));
     let child = as_user(users, users.node, false)
         .arg("--data-dir")
         .arg(&dir)
-        .args([
-            "node",
-            "run",
-            "--no-mdns",
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-            "--api",
-            "127.0.0.1:0",
-        ])
+        .args(args)
+        .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--api", "127.0.0.1:0"])
         .arg("--supervisor")
         .arg(dirs.socket())
         .stderr(std::process::Stdio::null())
@@ -529,4 +529,149 @@ fn a_killed_node_finds_its_running_attempt_again_and_a_killed_supervisor_recover
     let b = settled(&dirs, &b.id);
     assert_eq!(b.state, AttemptState::Completed, "{b:#?}");
     assert_eq!(stdout(&dirs, &b.id).trim(), "once", "ran more than once");
+}
+
+/// A group job's two ranks on two unprivileged nodes, each with a root supervisor of its
+/// own: each supervisor makes its rank's group interface in the sandbox (which takes
+/// root) and hands the device to its node, whose channel carries the ranks' all-reduce.
+/// (An unprivileged node once tried to enter the sandbox's namespace itself, was refused,
+/// and every rank failed: "making the group interface in the sandbox".)
+#[test]
+fn a_group_runs_on_unprivileged_nodes_whose_supervisors_make_their_interfaces() {
+    let Some(users) = users() else { return };
+    let dir = super::exec::open_dir();
+    // Node 0 sequences the ledger and publishes the job; paused, it takes no work (and
+    // advertises none).
+    let net = super::testnet::Testnet::up(&dir.path().join("net"), 1);
+    let requester = net.nodes()[0].clone();
+    let data_dir = requester.display().to_string();
+    let paused = Command::new(env!("CARGO_BIN_EXE_cannabis"))
+        .args(["--data-dir", &data_dir, "node", "pause"])
+        .output()
+        .unwrap();
+    assert!(
+        paused.status.success(),
+        "{}",
+        String::from_utf8_lossy(&paused.stderr)
+    );
+
+    // Two workers joining the testnet as its own nodes join it, each run by the node
+    // user with a supervisor: the testnet's genesis, fee terms and prices, its node 0 to
+    // dial first, custom code allowed, and the supervisor's ceilings as its limits.
+    let (_, cmdline) = net.process(0);
+    let at = |flag: &str| {
+        let i = cmdline.iter().position(|a| a == flag).unwrap();
+        cmdline[i + 1].clone()
+    };
+    let genesis = at("--genesis");
+    let config = std::fs::read_to_string(at("--config")).unwrap();
+    let config: String = config
+        .split("\n\n")
+        .filter(|section| !section.starts_with("[executor]"))
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    let zero = client_of(&requester).status().unwrap();
+    let bootstrap = format!(
+        "{}/p2p/{}",
+        zero.listen_addrs
+            .iter()
+            .find(|a| a.contains("/tcp/"))
+            .unwrap(),
+        zero.peer_id
+    );
+    let workers: Vec<(Dirs, Proc, Proc)> = (0..2)
+        .map(|_| {
+            let dirs = Dirs::new(users);
+            let file = dirs.root.path().join("node.toml");
+            std::fs::write(&file, &config).unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+            let sup = supervisor(users, &dirs);
+            let args: Vec<String> = ["node", "run", "--testnet", "--no-mdns", "--config"]
+                .map(String::from)
+                .into_iter()
+                .chain([
+                    file.display().to_string(),
+                    "--genesis".into(),
+                    genesis.clone(),
+                ])
+                .chain(["--bootstrap".into(), bootstrap.clone()])
+                .collect();
+            let node = node_with(users, &dirs, &args);
+            (dirs, sup, node)
+        })
+        .collect();
+    super::testnet::wait_for_workers(&requester, 2);
+
+    let job = super::group::JOB.replace("group_size = 3", "group_size = 2");
+    let id = super::group::submit_bundle(&requester, &dir.path().join("job"), &job, PROGRAM);
+    let done = super::group::completed(&requester, &id, 180);
+    assert_eq!(
+        super::group::sums(&done),
+        [
+            "rank 0 of 2: 30 over ['cnb0', 'lo']",
+            "rank 1 of 2: 30 over ['cnb0', 'lo']"
+        ],
+        "each rank's output"
+    );
+    // Each rank ran on one of the supervised workers, and each supervisor made one
+    // interface: the job's one rank on it.
+    let addresses: Vec<String> = workers
+        .iter()
+        .map(|(dirs, ..)| client(dirs).status().unwrap().address.to_string())
+        .collect();
+    let mut ran: Vec<String> = done.tasks[0]
+        .ranks
+        .iter()
+        .map(|r| r.worker.to_string())
+        .collect();
+    ran.sort();
+    let mut expected = addresses.clone();
+    expected.sort();
+    assert_eq!(ran, expected, "the ranks' workers");
+
+    // The supervisor makes an interface only for a group's rank, at its own rank, in a
+    // sandbox that is there.
+    for (dirs, ..) in &workers {
+        let attempts: Vec<Attempt> = client(dirs).get("/v1/exec/attempts").unwrap();
+        let rank = attempts
+            .iter()
+            .find(|a| a.request.hold)
+            .expect("the supervisor ran a held rank");
+        let own: u32 = rank
+            .request
+            .env
+            .iter()
+            .find(|(k, _)| k == "RANK")
+            .unwrap()
+            .1
+            .parse()
+            .unwrap();
+        let sup = cannabis_node::supervisor::SupervisorClient::new(dirs.socket());
+        let other = sup
+            .interface(&rank.id, own + 1, 65_000)
+            .unwrap_err()
+            .to_string();
+        assert!(other.contains("admitted as rank"), "{other}");
+        let ended = sup
+            .interface(&rank.id, own, 65_000)
+            .unwrap_err()
+            .to_string();
+        assert!(ended.contains("is completed"), "{ended}");
+    }
+}
+
+/// Each rank's value is 10 times its rank plus one; each lists its interfaces.
+const PROGRAM: &str = r#"
+import os, socket
+from sum import all_reduce_sum
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+total = all_reduce_sum(10 * (rank + 1))
+names = sorted(n for _, n in socket.if_nameindex())
+with open(os.path.join(os.environ["CANNABIS_WORK"], "sum.txt"), "w") as f:
+    f.write(f"rank {rank} of {world}: {total} over {names}\n")
+"#;
+
+fn client_of(dir: &std::path::Path) -> ApiClient {
+    ApiClient::from_data_dir(dir).unwrap()
 }
