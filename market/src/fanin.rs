@@ -60,6 +60,16 @@ impl FaninConfig {
     }
 }
 
+/// A task's call, and what sizing it saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sized {
+    /// The call.
+    pub call: BidCall,
+    /// Ads that qualified for the task among those looked at (a sample of at most
+    /// [`FaninConfig::sample`]): workers the requester knows could bid.
+    pub qualified: u32,
+}
+
 /// Sizes the call of `task` (job `job_id`, lasting `duration_ms`) from the ads in `view`,
 /// leaving out `me` (a node does not bid on its own offers).
 pub fn size_call(
@@ -70,7 +80,7 @@ pub fn size_call(
     task: &TaskSpec,
     duration_ms: u64,
     ctx: &Context<'_>,
-) -> BidCall {
+) -> Sized {
     let target = config.target(task.group_size);
     let total = view
         .ad_count()
@@ -87,6 +97,7 @@ pub fn size_call(
     };
     let matcher = Matcher::new(task);
     let mut looked = 0usize;
+    let mut qualified = 0u32;
     let mut prices: Vec<Amount> = Vec::new();
     let ads = view
         .ads()
@@ -100,14 +111,18 @@ pub fn size_call(
         if !matcher.qualifies(ad, ctx) {
             continue;
         }
+        qualified += 1;
         if let Some(p) = quote::price(&ad.prices, ad, task, duration_ms) {
             prices.push(p);
         }
     }
     if looked == 0 {
-        return BidCall {
-            target,
-            ..BidCall::EVERYONE
+        return Sized {
+            call: BidCall {
+                target,
+                ..BidCall::EVERYONE
+            },
+            qualified,
         };
     }
     prices.sort_unstable();
@@ -123,10 +138,13 @@ pub fn size_call(
             .sum()
     };
     let scaled = weights * total as u128 / looked as u128;
-    BidCall {
-        target,
-        odds_ppb: draw::odds_for(target, scaled).max(1),
-        ref_price,
+    Sized {
+        call: BidCall {
+            target,
+            odds_ppb: draw::odds_for(target, scaled).max(1),
+            ref_price,
+        },
+        qualified,
     }
 }
 

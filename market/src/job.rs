@@ -48,8 +48,11 @@ use crate::placement::{self, Candidate, Class, Infeasible, Slot};
 pub const GROUP_RENEWAL_WAIT_MS: u64 = 2_000;
 
 /// Most times a task's bids are called for again, its call already open to every worker,
-/// once the bids ran out after an attempt (every bidder refused as busy, failed or never
-/// countersigned). Each such version's window is twice the one before (while the deadline
+/// once its window ended without a whole placement: no worker answered at all though the
+/// requester knew of enough that qualify (a late bid still counts), or the bids ran out
+/// after an attempt (every bidder refused as busy, failed or never countersigned). A task
+/// whose workers answered only by declining, or that too few known workers could take,
+/// fails at once, saying why. Each such version's window is twice the one before (while the deadline
 /// allows), and the task is placed as soon as a whole placement is in.
 pub const MAX_RECALLS: u32 = 5;
 
@@ -359,10 +362,15 @@ pub struct Task {
     /// would take the work now.
     #[serde(default)]
     refused: BTreeMap<Address, Digest>,
-    /// Versions of the offer published because the bids ran out after an attempt, with
-    /// the call already open to every worker (see [`MAX_RECALLS`]).
+    /// Versions of the offer published because the window ended without a whole
+    /// placement, with the call already open to every worker (see [`MAX_RECALLS`]).
     #[serde(default)]
     recalls: u32,
+    /// Workers that qualified for the task among the ads its requester held when the job
+    /// was submitted: enough of them for a whole placement is a reason to call for bids
+    /// again when none came.
+    #[serde(default)]
+    known: u32,
     /// The current attempt, one per rank.
     ranks: Vec<Assignment>,
     attempts: u32,
@@ -614,6 +622,7 @@ impl Job {
                 excluded: BTreeSet::new(),
                 refused: BTreeMap::new(),
                 recalls: 0,
+                known: 0,
                 ranks: Vec::new(),
                 attempts: 0,
                 failures: 0,
@@ -1574,11 +1583,24 @@ impl Job {
     }
 
     /// Whether task `i`, its call open to every worker, may have its bids called for again
-    /// once they ran out: only after an attempt (a task nobody ever bid on has nobody to
-    /// wait for), and at most [`MAX_RECALLS`] times.
+    /// once its window ended without a whole placement, at most [`MAX_RECALLS`] times:
+    /// after an attempt, or when no worker answered at all though enough known workers
+    /// qualify for a whole placement (on a busy network a bid can come after a short
+    /// window). Workers that declined said why, and with too few known workers there is
+    /// nobody to wait for: the requester hears that at once.
     fn may_recall(&self, i: usize) -> bool {
         let task = &self.tasks[i];
-        task.attempts > 0 && task.recalls < MAX_RECALLS
+        let answered_by_nobody =
+            task.declines.is_empty() && task.known >= self.offer.tasks[i].group_size.max(1);
+        (task.attempts > 0 || answered_by_nobody) && task.recalls < MAX_RECALLS
+    }
+
+    /// `n` workers qualified for task `i` among the ads its requester held at submission
+    /// (see [`Job::wants_wider_call`]).
+    pub fn known_workers(&mut self, i: usize, n: u32) {
+        if let Some(t) = self.tasks.get_mut(i) {
+            t.known = n;
+        }
     }
 
     /// The tasks [`Job::wants_wider_call`] names whose call is already open to every
@@ -1622,12 +1644,17 @@ impl Job {
         self.early_look_at = self.early_look_after(now);
         for i in recalled {
             let n = self.tasks[i].recalls;
+            let why = if self.tasks[i].attempts > 0 {
+                "no bids left"
+            } else {
+                "no whole placement in the window"
+            };
             self.log(
                 now,
                 Some(i as u32),
                 format!(
-                    "no bids left: bids called for again ({n} of {MAX_RECALLS}, a {} s \
-                     window, placed at the first whole placement)",
+                    "{why}: bids called for again ({n} of {MAX_RECALLS}, a {} s window, \
+                     placed at the first whole placement)",
                     window.div_ceil(1_000)
                 ),
             );

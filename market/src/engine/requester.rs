@@ -72,7 +72,7 @@ impl Market {
         }
         let budget = Amount::sum(t.tasks.iter().map(|t| &t.budget))?;
         let ctx = self.context();
-        let calls = t
+        let sized: Vec<fanin::Sized> = t
             .tasks
             .iter()
             .map(|task| {
@@ -87,6 +87,7 @@ impl Market {
                 )
             })
             .collect();
+        let calls = sized.iter().map(|s| s.call).collect();
         let mut offer = JobOffer {
             job_id,
             nonce,
@@ -139,6 +140,9 @@ impl Market {
                 now,
             );
             job.spot_mut().rate_ppm = t.spot_check_ppm.min(crate::spot::PPM);
+            for (i, s) in sized.iter().enumerate() {
+                job.known_workers(i, s.qualified);
+            }
             if let Some(resolver) = self.config.resolver {
                 // No lock, no award: the job places nothing until the lock is in a block.
                 job.lock_asked(now);

@@ -135,6 +135,7 @@ impl Job {
                 excluded: t.excluded.clone(),
                 refused: t.refused.clone(),
                 recalls: t.recalls,
+                known: t.known,
                 ranks: t.ranks.clone(),
                 attempts: t.attempts,
                 failures: t.failures,

@@ -58,7 +58,7 @@ fn draw_in_a_network(n: usize, seed: u64, task: &TaskSpec) -> (usize, u32, f64) 
         ..Context::default()
     };
     let config = FaninConfig::default();
-    let call = fanin::size_call(&config, &view, &me, &job, task, 3_600_000, &ctx);
+    let call = fanin::size_call(&config, &view, &me, &job, task, 3_600_000, &ctx).call;
     let mut offer = testkit::offer(me, 1, vec![task.clone()], T0, WINDOW, 3_600_000);
     offer.job_id = job;
     offer.calls = vec![call];
@@ -934,6 +934,44 @@ fn a_worker_whose_bid_never_arrived_bids_again_when_the_bids_are_called_for_agai
     assert_eq!(j.tasks()[0].ranks()[0].worker, one, "{:?}", j.history());
     first_run_fails_on_node_1(&mut net, job, end);
     placed_again_after_one_call(&net, job, late);
+}
+
+#[test]
+fn a_task_no_bid_reached_in_its_window_calls_for_bids_again_when_workers_qualify() {
+    // The only worker's bid never arrives within the window (on a busy network it comes
+    // late). The requester knows the worker qualifies, so it calls for bids again instead
+    // of failing, and the worker's bid on the new version places the task. Before, the task
+    // failed at the window's end: "cannot be placed: no valid bids" (seen in CI).
+    let nodes = (0..2)
+        .map(|i| Node::new(config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let worker = net.nodes[1].address();
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let job = submit_task(&mut net, task, [1; 16]);
+    let lost = |e: &Envelope| {
+        matches!(e, Envelope::Request { from, msg, .. }
+            if *from == worker && matches!(**msg, Inbound::Bid(_)))
+    };
+    net.run(T0, lost, 100_000);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    let placed = &j.tasks()[0].ranks()[0];
+    assert_eq!(
+        (placed.epoch, placed.worker),
+        (1, worker),
+        "{:?}",
+        j.history()
+    );
+    assert!(
+        j.history().iter().any(|e| e.text.starts_with(
+            "no whole placement in the window: bids called for again (1 of 5, a 20 s window"
+        )),
+        "{:?}",
+        j.history()
+    );
 }
 
 #[test]

@@ -352,8 +352,8 @@ fn the_numpy_example_trains_on_a_worker_is_evaluated_and_settles() {
         String::from_utf8_lossy(&made.stderr)
     );
     // A bid window of 5 s, not the example's 2 s: beside other tests' sandboxes on two
-    // cores a bid can come later than 2 s, and a task no bid reached in its window fails
-    // (a CI run failed so, "cannot be placed: no valid bids").
+    // cores a bid can come later than 2 s (a CI run failed so, "cannot be placed: no
+    // valid bids", before such a task called for its bids again).
     let job = std::fs::read_to_string(work.join("job.toml"))
         .unwrap()
         .replace("bid_window = \"2s\"", "bid_window = \"5s\"");
