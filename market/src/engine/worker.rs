@@ -17,11 +17,13 @@ use crate::lease::{AssignmentKey, Lease, SentBid, Stopped};
 use crate::quote::{self, Answer};
 
 impl Market {
-    /// A new offer (or a new version of one) this node holds now: answer each task it has
-    /// not declined and does not hold a live lease of. A bid for an earlier version is no
-    /// reason to stay silent: a requester publishes a new version when it lacks bids (a
-    /// wider call, or the bids called for again), and the bid it lacks may be this one (lost
-    /// on the way, or let go with a refused award); the requester keeps the newer bid.
+    /// A new offer (or a new version of one) this node holds now: answer each task it does
+    /// not hold a live lease of. A bid for an earlier version is no reason to stay silent:
+    /// a requester publishes a new version when it lacks bids (a wider call, or the bids
+    /// called for again), and the bid it lacks may be this one (lost on the way, or let go
+    /// with a refused award); the requester keeps the newer bid. Nor is a decline: a later
+    /// version leaves less time to the deadline, so a price or a longest run that did not
+    /// fit may fit now. A task is declined once, however many versions decline it.
     pub(super) fn answer_offer(&mut self, item: &Arc<Received<JobOffer>>) {
         let me = self.me.address;
         let offer = &item.body;
@@ -37,7 +39,6 @@ impl Market {
             return;
         };
         let ctx = self.context();
-        let declined = self.declined.get(&offer.job_id);
         let answers: Vec<(u32, Answer)> = (0..offer.tasks.len() as u32)
             .filter(|&t| {
                 let answered = self
@@ -47,7 +48,7 @@ impl Market {
                 let running = self.leases.iter().any(|((job, task, _), l)| {
                     *job == offer.job_id && *task == t && l.is_live() && l.expires_at > now
                 });
-                !answered && !running && declined.is_none_or(|d| !d.contains(&t))
+                !answered && !running
             })
             .filter_map(|t| {
                 let terms = self.config.fee.as_ref();
@@ -60,6 +61,9 @@ impl Market {
         for (task, answer) in answers {
             match answer {
                 Answer::Bid(bid) => {
+                    if let Some(d) = self.declined.get_mut(&job) {
+                        d.remove(&task);
+                    }
                     let id = message_id(&bid);
                     let price = bid.price;
                     self.leases.on_bid_sent(
@@ -81,7 +85,10 @@ impl Market {
                     );
                 }
                 Answer::Decline(decline) => {
-                    self.declined.entry(job).or_default().insert(task);
+                    if !self.declined.entry(job).or_default().insert(task) {
+                        // Said already, to this requester.
+                        continue;
+                    }
                     self.event(MarketEvent::Declined {
                         job,
                         task,

@@ -975,6 +975,43 @@ fn a_task_no_bid_reached_in_its_window_calls_for_bids_again_when_workers_qualify
 }
 
 #[test]
+fn a_worker_that_declined_bids_on_a_later_version_that_now_fits() {
+    // Node 2 takes runs of at most 3,595 s: at submission the job may run 3,600 s, so it
+    // declines. Node 1's bid places the job at once (early placement); its run fails 6 s
+    // later, while the first version of the offer still holds, and the bids are called
+    // for again. By then the job may run 3,594 s: node 2 bids and is placed. Before, a
+    // worker that declined a task stayed silent on every later version while an earlier
+    // one was live, and the task failed after its last call.
+    let nodes = (0..3)
+        .map(|i| {
+            let mut c = config();
+            if i == 2 {
+                c.worker.max_duration_ms = Some(3_595_000);
+            }
+            Node::new(c, identity(i), Some(testkit::keys(i)), T0)
+        })
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let two = net.nodes[2].address();
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let mut template = testkit::template(vec![task], WINDOW, 3_600_000);
+    template.early = Some(Early::FirstBids(1));
+    let job = submit(&mut net, template, [1; 16]);
+    net.settle(T0);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(j.tasks()[0].ranks()[0].worker, net.nodes[1].address());
+    let declines = j.tasks()[0].declines();
+    assert!(
+        declines[&two].contains("this worker takes at most 3595 s"),
+        "{declines:?}"
+    );
+    let failed = T0.plus_ms(6_000);
+    assert!(failed < j.offer().expires_at);
+    first_run_fails_on_node_1(&mut net, job, failed);
+    placed_again_after_one_call(&net, job, two);
+}
+
+#[test]
 fn a_group_rank_prepares_its_work_only_once_the_group_is_whole() {
     // A group of two: node 2's acceptance is lost. Node 1 holds its lease, but its work is
     // not started until the first renewal, which the requester sends when the group is
