@@ -72,6 +72,10 @@ const LINK_RETRY_MAX: Duration = Duration::from_secs(2);
 /// sandbox's own sends then queue in its interface, and TCP there slows down).
 const LINK_QUEUE: usize = 64;
 
+/// Sealed packets written to a channel's stream at once: those waiting when the first is
+/// sealed, up to this many bytes, in one write and one flush.
+const LINK_BATCH: usize = 256 << 10;
+
 /// Streams being opened or handshaken at once, from all peers together, each for at most
 /// [`OPENING_TIMEOUT`].
 const MAX_OPENING: usize = 64;
@@ -135,9 +139,22 @@ impl Opening {
 /// Writes one frame.
 async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, message: &[u8]) -> anyhow::Result<()> {
     let len = u16::try_from(message.len()).context("a channel message over 65,535 bytes")?;
-    w.write_all(&len.to_be_bytes()).await?;
-    w.write_all(message).await?;
+    let mut frame = Vec::with_capacity(2 + message.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(message);
+    w.write_all(&frame).await?;
     w.flush().await?;
+    Ok(())
+}
+
+/// Seals `packet` into `channel` as one frame appended to `out` (its two-byte length,
+/// then the message).
+fn seal_frame(channel: &mut Channel, packet: &[u8], out: &mut Vec<u8>) -> anyhow::Result<()> {
+    let at = out.len();
+    out.extend_from_slice(&[0, 0]);
+    let n = channel.seal_into(packet, out)?;
+    let len = u16::try_from(n).context("a channel message over 65,535 bytes")?;
+    out[at..at + 2].copy_from_slice(&len.to_be_bytes());
     Ok(())
 }
 
@@ -344,10 +361,19 @@ impl Net {
         let (mut stream_r, mut stream_w) = tokio::io::split(stream);
         let out = async {
             let mut sent = 0u64;
+            let mut frames = Vec::with_capacity(LINK_BATCH + 2 * MTU as usize);
             while let Some(packet) = rx.recv().await {
-                let sealed = lock()?.seal(&packet)?;
-                write_frame(&mut stream_w, &sealed).await?;
+                frames.clear();
+                seal_frame(&mut *lock()?, &packet, &mut frames)?;
                 sent += 1;
+                // Whatever else waits goes in the same write: one flush, not one a packet.
+                while frames.len() < LINK_BATCH {
+                    let Ok(packet) = rx.try_recv() else { break };
+                    seal_frame(&mut *lock()?, &packet, &mut frames)?;
+                    sent += 1;
+                }
+                stream_w.write_all(&frames).await?;
+                stream_w.flush().await?;
             }
             anyhow::Ok(sent)
         };
