@@ -52,8 +52,8 @@ pub const GROUP_RENEWAL_WAIT_MS: u64 = 2_000;
 /// requester knew of enough that qualify (a late bid still counts), or the bids ran out
 /// after an attempt (every bidder refused as busy, failed or never countersigned). A task
 /// whose workers answered only by declining, or that too few known workers could take,
-/// fails at once, saying why. Each such version's window is twice the one before (while the deadline
-/// allows), and the task is placed as soon as a whole placement is in.
+/// fails at once, saying why. Each such version's window is twice the one before (while
+/// the deadline allows), and the task is placed as soon as a whole placement is in.
 pub const MAX_RECALLS: u32 = 5;
 
 /// Timing of leases.
