@@ -883,12 +883,10 @@ pub enum CommandError {
 /// What a request the engine sent was for.
 #[derive(Clone, Debug)]
 enum Purpose {
-    Award {
-        job: Uuid,
-        task: u32,
-        rank: u32,
-        epoch: u64,
-    },
+    /// An award, with the sends it has had: one whose connection dropped before an answer
+    /// is sent again (at most [`BID_SENDS`] in all) while the worker may still countersign
+    /// it, or a group waits for that rank until the award runs out.
+    Award(Box<Award>, u8),
     Renew(LeaseRenewal),
     /// A bid, with the sends it has had: one whose connection dropped before an answer is
     /// sent again (at most [`BID_SENDS`] in all) while it is valid.
@@ -1418,27 +1416,45 @@ impl Market {
             .map_err(Refusal::BadSignature)
     }
 
+    /// Whether `award` is its rank's current offer, which the worker may still countersign.
+    fn awaits_countersignature(&self, award: &Award) -> bool {
+        self.jobs
+            .get(&award.job_id)
+            .and_then(|j| j.tasks().get(award.task as usize))
+            .and_then(|t| t.ranks().iter().find(|a| a.rank == award.rank))
+            .is_some_and(|a| {
+                a.epoch == award.epoch
+                    && a.worker == award.worker
+                    && a.state == crate::job::LeaseState::Offered
+                    && a.expires_at > self.now
+            })
+    }
+
     fn on_response(&mut self, req: OutboundId, result: Result<Answer, String>) {
         let Some(purpose) = self.pending.remove(&req) else {
             return;
         };
         match (purpose, result) {
-            (
-                Purpose::Award {
-                    job,
-                    task,
-                    rank,
-                    epoch,
-                },
-                Ok(Answer::Refused(reason)),
-            ) => {
+            (Purpose::Award(award, _), Ok(Answer::Refused(reason))) => {
                 let why = format!("the worker refused the award: {reason}");
                 let now = self.now;
+                let job = award.job_id;
                 if let Some(j) = self.jobs.get_mut(&job)
-                    && let Ok(actions) = j.on_award_refused(task, rank, epoch, &why, now)
+                    && let Ok(actions) =
+                        j.on_award_refused(award.task, award.rank, award.epoch, &why, now)
                 {
                     self.job_changed(job, actions);
                 }
+            }
+            (Purpose::Award(award, sends), Err(_))
+                if sends < BID_SENDS && self.awaits_countersignature(&award) =>
+            {
+                let to = award.worker;
+                self.send(
+                    to,
+                    Outbound::Award((*award).clone()),
+                    Purpose::Award(award, sends + 1),
+                );
             }
             (Purpose::Renew(r), Ok(Answer::Ack)) => {
                 let now = self.now;
@@ -1453,10 +1469,10 @@ impl Market {
                 let why = format!("the worker refused the renewal: {reason}");
                 self.job_failed(r.job_id, r.task, r.rank, r.epoch, &why);
             }
-            (Purpose::Award { .. } | Purpose::Renew(_), Err(_)) => {
+            (Purpose::Award(..) | Purpose::Renew(_), Err(_)) => {
                 // No answer: the lease timers decide.
             }
-            (Purpose::Award { .. }, Ok(Answer::Ack)) => {}
+            (Purpose::Award(..), Ok(Answer::Ack)) => {}
             (Purpose::Bid(bid, to, sends), Err(_))
                 if sends < BID_SENDS
                     && bid.valid_until > self.now

@@ -695,12 +695,6 @@ impl Market {
                         epoch: award.epoch,
                         worker: award.worker,
                     });
-                    let purpose = Purpose::Award {
-                        job,
-                        task: award.task,
-                        rank: award.rank,
-                        epoch: award.epoch,
-                    };
                     if self.jobs.get(&job).map(Job::escrow) == Some(&Escrowed::Locked) {
                         self.out.fenced(Output::Settle(Settle::Assign(EscrowAssign {
                             job_id: job,
@@ -711,7 +705,9 @@ impl Market {
                             price: award.price,
                         })));
                     }
-                    self.send(award.worker, Outbound::Award(award), purpose);
+                    let to = award.worker;
+                    let purpose = Purpose::Award(Box::new(award.clone()), 1);
+                    self.send(to, Outbound::Award(award), purpose);
                 }
                 Action::Renew(renewal) => {
                     let to = renewal.worker;

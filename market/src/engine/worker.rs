@@ -5,8 +5,9 @@
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Award, Cancel, DeliveryManifest, JobOffer, LeaseRenewal, NamedDigest, OutputDigest,
-    Received, ResourceUsage, ResultCommit, RunReport, RunStage, TaskInput, message_id,
+    Address, Award, Cancel, DeliveryManifest, JobOffer, LeaseAccept, LeaseRenewal, NamedDigest,
+    OutputDigest, Received, ResourceUsage, ResultCommit, RunReport, RunStage, TaskInput,
+    message_id,
 };
 
 use super::{
@@ -128,6 +129,26 @@ impl Market {
             return Err(Refusal::Busy { held: held as u32 });
         }
         self.check_signature(&r)?;
+        if let Some(held) = self.leases.get(&key)
+            && held.award == r.id
+            && held.is_live()
+        {
+            // The same award again: the requester had no answer to it (its connection
+            // closed first). The lease stands; its acceptance goes again.
+            let accept = LeaseAccept {
+                award: r.id,
+                job_id: award.job_id,
+                task: award.task,
+                rank: award.rank,
+                worker: award.worker,
+                epoch: held.epoch,
+                issued_at: now,
+            };
+            let requester = held.requester;
+            let purpose = Purpose::Accept(accept.clone(), requester, 1);
+            self.send(requester, Outbound::Accept(accept), purpose);
+            return Ok(());
+        }
         let (accept, superseded) = self.leases.on_award(award, r.id, now)?;
         let requester = award.requester;
         self.out.dirty(RecordKey::Lease(key));

@@ -1292,7 +1292,7 @@ fn a_bid_whose_connection_drops_is_sent_again_while_valid() {
     let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
     let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
     // Everything but the worker's bids is delivered; each bid is lost.
-    lost_on_every_send(&mut net, T0, "bid", |m| matches!(m, Inbound::Bid(_)));
+    lost_on_every_send(&mut net, 1, T0, "bid", |m| matches!(m, Inbound::Bid(_)));
     assert!(net.nodes[1].events.iter().any(|e| matches!(
         e,
         MarketEvent::Answered {
@@ -1316,7 +1316,7 @@ fn a_lease_acceptance_whose_connection_drops_is_sent_again_while_the_lease_holds
     net.settle(T0);
     let end = T0.plus_ms(WINDOW);
     net.tick(end);
-    lost_on_every_send(&mut net, end, "acceptance", |m| {
+    lost_on_every_send(&mut net, 1, end, "acceptance", |m| {
         matches!(m, Inbound::Accept(_))
     });
     // The requester never heard it: the rank is still only awarded.
@@ -1325,6 +1325,71 @@ fn a_lease_acceptance_whose_connection_drops_is_sent_again_while_the_lease_holds
         j.tasks()[0].ranks()[0].state,
         cannabis_market::job::LeaseState::Offered
     );
+}
+
+#[test]
+fn an_award_whose_connection_drops_is_sent_again_while_it_may_be_countersigned() {
+    // A 99-rank group on a 100-node testnet lost eleven awards at once with their
+    // connections: those ranks never heard of them, and the group waited until the awards
+    // ran out.
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    lost_on_every_send(&mut net, 0, end, "award", |m| {
+        matches!(m, Inbound::Award(_))
+    });
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].ranks()[0].state,
+        cannabis_market::job::LeaseState::Offered
+    );
+    assert!(net.nodes[1].market.leases().iter().next().is_none());
+}
+
+#[test]
+fn an_award_that_arrives_twice_is_countersigned_again_and_taken_once() {
+    // The award got through but its answer did not: the requester sends it again, and
+    // the worker, which holds the lease already, answers it as the first time, where it
+    // used to refuse it as a stale epoch.
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let (mut net, job) = world(1, testkit::template(vec![task], WINDOW, 3_600_000));
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    let at = net
+        .queue
+        .iter()
+        .position(
+            |e| matches!(e, Envelope::Request { msg, .. } if matches!(**msg, Inbound::Award(_))),
+        )
+        .expect("an award in flight");
+    net.deliver(at, end, true);
+    net.settle(end);
+    let refused = |net: &Net| {
+        net.nodes[1]
+            .events
+            .iter()
+            .filter(|e| matches!(e, MarketEvent::Refused { .. }))
+            .count()
+    };
+    let taken = |net: &Net| {
+        net.nodes[1]
+            .events
+            .iter()
+            .filter(|e| matches!(e, MarketEvent::LeaseTaken { .. }))
+            .count()
+    };
+    assert_eq!((refused(&net), taken(&net)), (0, 1));
+    let j = net.nodes[0].market.job(&job).unwrap();
+    assert_eq!(
+        j.tasks()[0].ranks()[0].state,
+        cannabis_market::job::LeaseState::Current,
+        "{:#?}",
+        j.history()
+    );
+    assert_eq!(net.nodes[1].market.leases().iter().count(), 1);
 }
 
 /// Task 0 of `job` is held by `worker` at epoch 2, after the requester called for bids
@@ -1365,11 +1430,17 @@ fn first_run_fails_on_node_1(net: &mut Net, job: Uuid, now: Timestamp) {
     net.settle(now);
 }
 
-/// Delivers everything in flight at `now` but node 1's requests that `lost` picks, each of
-/// which gets no answer (its connection closed): node 1 sends one, sends it again twice,
-/// and then no more.
-fn lost_on_every_send(net: &mut Net, now: Timestamp, what: &str, lost: impl Fn(&Inbound) -> bool) {
-    let worker = net.nodes[1].address();
+/// Delivers everything in flight at `now` but node `from`'s requests that `lost` picks,
+/// each of which gets no answer (its connection closed): node `from` sends one, sends it
+/// again twice, and then no more.
+fn lost_on_every_send(
+    net: &mut Net,
+    from: usize,
+    now: Timestamp,
+    what: &str,
+    lost: impl Fn(&Inbound) -> bool,
+) {
+    let worker = net.nodes[from].address();
     let sends = |net: &mut Net| -> Vec<OutboundId> {
         let mut taken = Vec::new();
         let mut n = 0;
@@ -1388,14 +1459,14 @@ fn lost_on_every_send(net: &mut Net, now: Timestamp, what: &str, lost: impl Fn(&
     let mut sent = sends(net);
     assert_eq!(sent.len(), 1, "one {what} sent");
     for send in 2..=4 {
-        net.nodes[1].market.handle(
+        net.nodes[from].market.handle(
             now,
             cannabis_market::Input::Response {
                 req: sent[0],
                 result: Err("Connection was closed before a response was received".into()),
             },
         );
-        net.drain(1, now);
+        net.drain(from, now);
         sent = sends(net);
         if send == 4 {
             assert!(sent.is_empty(), "the {what} was sent a fourth time");

@@ -633,11 +633,23 @@ fn workers_refuse_stale_and_foreign_lease_messages() {
         w.request(from.address(), worker, msg, now);
     };
     let refusals = |w: &World| w.worker(&worker).refusals.clone();
-    // The same award again: stale.
+    // The same award again (its answer was lost): taken as the first time, not refused.
+    let before = refusals(&w).len();
     send(
         &mut w,
         &requester,
         Inbound::Award(Signed::sign(&requester, &award).open().unwrap()),
+    );
+    assert_eq!(refusals(&w).len(), before);
+    // Another award at the same epoch: stale.
+    let other = Award {
+        expires_at: award.expires_at.plus_ms(1),
+        ..award.clone()
+    };
+    send(
+        &mut w,
+        &requester,
+        Inbound::Award(Signed::sign(&requester, &other).open().unwrap()),
     );
     assert_eq!(
         refusals(&w).last(),
