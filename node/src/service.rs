@@ -409,6 +409,9 @@ fn give_back_memory() {
 
 /// How often the node does its upkeep.
 const UPKEEP: Duration = crate::clock::SLEW_EVERY;
+/// A turn of the node's loop that takes this long is logged (target `cannabis::turn`,
+/// debug): everything else the node does waits for it.
+const SLOW_TURN: Duration = Duration::from_millis(10);
 
 /// Graylisted peers refused at the handshake at most (a key costs an attacker nothing, so
 /// the list is bounded; one let out early is refused again after its next graylisting).
@@ -755,8 +758,10 @@ impl Node {
                 let wait = at.0.saturating_sub(now().0.0);
                 tokio::time::Instant::now() + Duration::from_millis(wait)
             });
+            let turn: (&str, std::time::Instant);
             tokio::select! {
                 event = self.swarm.select_next_some() => {
+                    turn = ("swarm", std::time::Instant::now());
                     self.on_swarm_event(event);
                     // Whatever else is ready goes in the same turn: one write for a burst.
                     for _ in 1..BATCH {
@@ -767,26 +772,39 @@ impl Node {
                     }
                 }
                 () = sleep_until(wake) => {
+                    turn = ("timer", std::time::Instant::now());
                     if self.safe_mode.is_none() {
                         self.market.handle(now().0, Input::Tick);
                     }
                 }
                 command = commands.recv() => match command {
-                    Some(c) => self.on_command(c),
+                    Some(c) => {
+                        turn = ("command", std::time::Instant::now());
+                        self.on_command(c);
+                    }
                     None => break,
                 },
-                Some(command) = internal.recv() => self.on_command(command),
-                _ = ad_timer.tick() => self.probe_machine(None),
+                Some(command) = internal.recv() => {
+                    turn = ("internal", std::time::Instant::now());
+                    self.on_command(command);
+                }
+                _ = ad_timer.tick() => {
+                    turn = ("ad", std::time::Instant::now());
+                    self.probe_machine(None);
+                }
                 () = sleep_until(self.chain.as_ref().and_then(ledger::Chain::block_due)) => {
+                    turn = ("block", std::time::Instant::now());
                     if self.safe_mode.is_none() {
                         self.make_block();
                     }
                 }
                 () = sleep_until(self.ad_due) => {
+                    turn = ("ad", std::time::Instant::now());
                     self.ad_due = None;
                     self.publish_ad_now();
                 }
                 _ = upkeep.tick() => {
+                    turn = ("upkeep", std::time::Instant::now());
                     let off = crate::clock::follow_wall();
                     if off.abs() > crate::clock::MAX_SLEW_MS {
                         warn!(off_ms = off, "the wall clock stepped: the node's time follows it slowly");
@@ -817,6 +835,15 @@ impl Node {
                 }
             }
             self.drain();
+            let took = turn.1.elapsed();
+            if took >= SLOW_TURN {
+                debug!(
+                    target: "cannabis::turn",
+                    what = turn.0,
+                    us = took.as_micros() as u64,
+                    "slow turn"
+                );
+            }
         }
         // The executor's opening holds the store: the node is stopped when it is done, and
         // when the run orders' task (which holds the executor) has seen the last one.

@@ -408,6 +408,7 @@ impl Store {
     /// Keeps block `height` and drops the transactions it holds (or that can never apply)
     /// from the pool, in one durable write.
     pub fn put_block(&self, height: u64, block: &[u8], done: &[Digest]) -> anyhow::Result<()> {
+        let started = std::time::Instant::now();
         let db = self.db()?;
         let txn = db.begin_write()?;
         txn.open_table(LEDGER_BLOCKS)?.insert(height, block)?;
@@ -418,6 +419,12 @@ impl Store {
             }
         }
         txn.commit()?;
+        tracing::debug!(
+            target: "cannabis::store",
+            us = started.elapsed().as_micros() as u64,
+            height,
+            "block write"
+        );
         Ok(())
     }
 

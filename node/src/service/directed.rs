@@ -109,7 +109,7 @@ impl Node {
                 error,
                 ..
             } => {
-                debug!(%peer, %error, "market request failed");
+                info!(%peer, %error, "market request failed");
                 if let Some(reply) = self.pending.remove(&request_id) {
                     let _ = reply.send(Err(anyhow::anyhow!("request to {peer} failed: {error}")));
                 } else if let Some(req) = self.outbound.remove(&request_id) {
