@@ -31,10 +31,10 @@ use std::sync::Arc;
 
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest,
-    DeliveryRecipient, Digest, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle, FeeTerms,
-    Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES, MoneyError, NamedDigest,
-    OutputDigest, Received, Rendezvous, ResourceUsage, ResultCommit, RunReport, RunStage, Signed,
-    TaskSpec, Timestamp, TxPayload, Uuid,
+    DeliveryRecipient, Digest, EscrowAssign, EscrowAssignMany, EscrowCancel, EscrowLock,
+    EscrowSettle, FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES,
+    MoneyError, NamedDigest, OutputDigest, Received, Rendezvous, ResourceUsage, ResultCommit,
+    RunReport, RunStage, Signed, TaskSpec, Timestamp, TxPayload, Uuid,
 };
 
 use crate::attest::AttestationPolicy;
@@ -540,6 +540,8 @@ pub enum Settle {
     Lock(EscrowLock),
     /// Bind an award (worker, epoch, price) to the job's escrow.
     Assign(EscrowAssign),
+    /// Bind awards made together (a group's ranks) to the job's escrow, in one operation.
+    AssignMany(EscrowAssignMany),
     /// This node, as worker, commits what it delivered.
     Commit(ResultCommit),
     /// The requester accepts a delivery, whole or in part.
@@ -557,6 +559,7 @@ impl Settle {
         match self {
             Settle::Lock(l) => l.job_id,
             Settle::Assign(a) => a.job_id,
+            Settle::AssignMany(a) => a.job_id,
             Settle::Commit(c) => c.job_id,
             Settle::Accept(s) | Settle::Dispute(s) => s.job_id,
             Settle::Cancel(c) => c.job_id,
@@ -569,6 +572,7 @@ impl Settle {
         match self {
             Settle::Lock(l) => (l.amount, TxPayload::EscrowLock(l)),
             Settle::Assign(a) => (Amount::ZERO, TxPayload::EscrowAssign(a)),
+            Settle::AssignMany(a) => (Amount::ZERO, TxPayload::EscrowAssignMany(a)),
             Settle::Commit(c) => (Amount::ZERO, TxPayload::ResultCommit(c)),
             Settle::Accept(s) => (Amount::ZERO, TxPayload::EscrowSettle(s)),
             Settle::Dispute(s) => (Amount::ZERO, TxPayload::EscrowDispute(s)),

@@ -749,6 +749,14 @@ impl<'a> Delta<'a> {
                 e.assign(from, now, a.task, a.rank, a.worker, a.epoch, a.price)?;
                 Effect::Escrow(Box::new(e), Vec::new())
             }
+            TxPayload::EscrowAssignMany(many) => {
+                // On a copy: one assignment refused leaves the escrow as it was.
+                let mut e = existing(&many.job_id)?;
+                for a in many.each() {
+                    e.assign(from, now, a.task, a.rank, a.worker, a.epoch, a.price)?;
+                }
+                Effect::Escrow(Box::new(e), Vec::new())
+            }
             TxPayload::ResultCommit(c) => {
                 let mut e = existing(&c.job_id)?;
                 e.commit(from, now, c.task, c.rank, c.epoch, c.manifest)?;

@@ -31,8 +31,9 @@ pub use evaluation::{
     MAX_EVALUATION_ITEMS, MAX_TENSOR_CHECKS, MAX_TENSOR_RANK, TensorCheck, judge,
 };
 pub use ledger::{
-    Block, BlockError, BlockHeader, EscrowAssign, EscrowCancel, EscrowLock, EscrowSettle,
-    ResultCommit, SUBMIT_RESULT_GAS_LIMIT, Transaction, TxError, TxPayload, TxType, compute_leaves,
+    Assigned, Block, BlockError, BlockHeader, EscrowAssign, EscrowAssignMany, EscrowCancel,
+    EscrowLock, EscrowSettle, MAX_ASSIGNED, ResultCommit, SUBMIT_RESULT_GAS_LIMIT, Transaction,
+    TxError, TxPayload, TxType, compute_leaves,
 };
 pub use market::{
     Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, RosterEntry, RunReport,

@@ -2,9 +2,9 @@
 //! here and only here), running jobs, widening calls that drew too few bids.
 
 use cannabis_protocol::{
-    AdapterKind, Amount, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowCancel, EscrowLock,
-    EscrowSettle, EvaluationOutcome, JobOffer, LeaseAccept, Message as _, NamedDigest, Outcome,
-    Received, Uuid, draw, message_id,
+    AdapterKind, Amount, Assigned, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowAssignMany,
+    EscrowCancel, EscrowLock, EscrowSettle, EvaluationOutcome, JobOffer, LeaseAccept, MAX_ASSIGNED,
+    Message as _, NamedDigest, Outcome, Received, Uuid, draw, message_id,
 };
 
 use super::{
@@ -685,6 +685,40 @@ impl Market {
     /// A job changed: it is written out, and what it asked for is sent once it is durable.
     pub(super) fn job_changed(&mut self, job: Uuid, actions: Vec<Action>) {
         self.out.dirty(RecordKey::Job(job));
+        // The awards made together go to the escrow together: a group of 99 ranks is one
+        // transaction (one signature for every node to check), not 99.
+        if self.jobs.get(&job).map(Job::escrow) == Some(&Escrowed::Locked) {
+            let assigned: Vec<Assigned> = actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Award(award) => Some(Assigned {
+                        task: award.task,
+                        rank: award.rank,
+                        worker: award.worker,
+                        epoch: award.epoch,
+                        price: award.price,
+                    }),
+                    _ => None,
+                })
+                .collect();
+            for chunk in assigned.chunks(MAX_ASSIGNED) {
+                let settle = match chunk {
+                    [a] => Settle::Assign(EscrowAssign {
+                        job_id: job,
+                        task: a.task,
+                        rank: a.rank,
+                        worker: a.worker,
+                        epoch: a.epoch,
+                        price: a.price,
+                    }),
+                    many => Settle::AssignMany(EscrowAssignMany {
+                        job_id: job,
+                        assignments: many.to_vec(),
+                    }),
+                };
+                self.out.fenced(Output::Settle(settle));
+            }
+        }
         for action in actions {
             match action {
                 Action::Award(award) => {
@@ -695,16 +729,6 @@ impl Market {
                         epoch: award.epoch,
                         worker: award.worker,
                     });
-                    if self.jobs.get(&job).map(Job::escrow) == Some(&Escrowed::Locked) {
-                        self.out.fenced(Output::Settle(Settle::Assign(EscrowAssign {
-                            job_id: job,
-                            task: award.task,
-                            rank: award.rank,
-                            worker: award.worker,
-                            epoch: award.epoch,
-                            price: award.price,
-                        })));
-                    }
                     let to = award.worker;
                     let purpose = Purpose::Award(Box::new(award.clone()), 1);
                     self.send(to, Outbound::Award(award), purpose);

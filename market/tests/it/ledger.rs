@@ -4,9 +4,10 @@
 
 use cannabis_market::ledger::{BlockRefusal, Ledger, LedgerEvent, Stage, TxRefusal, Why};
 use cannabis_protocol::{
-    Address, Allocation, Amount, Block, ComputeResult, Digest, EscrowAssign, EscrowCancel,
-    EscrowLock, EscrowSettle, Faucet, FeeTerms, Genesis, Keypair, Outcome, ResultCommit, Rewards,
-    Signed, Timestamp, Transaction, TxPayload, Uuid, Vesting, fee_on,
+    Address, Allocation, Amount, Assigned, Block, ComputeResult, Digest, EscrowAssign,
+    EscrowAssignMany, EscrowCancel, EscrowLock, EscrowSettle, Faucet, FeeTerms, Genesis, Keypair,
+    Outcome, ResultCommit, Rewards, Signed, Timestamp, Transaction, TxPayload, Uuid, Vesting,
+    fee_on,
 };
 use proptest::prelude::*;
 
@@ -171,6 +172,25 @@ impl Net {
         };
         let r = self.requester.clone();
         self.tx(&r, 0, None, TxPayload::EscrowAssign(a))
+    }
+
+    /// One `ESCROW_ASSIGN_MANY` of task 0 at epoch 1: `(rank, worker, price)` each.
+    fn assign_many(&mut self, job: Uuid, ranks: &[(u32, usize, u64)]) -> Signed<Transaction> {
+        let many = EscrowAssignMany {
+            job_id: job,
+            assignments: ranks
+                .iter()
+                .map(|&(rank, worker, price)| Assigned {
+                    task: 0,
+                    rank,
+                    worker: self.workers[worker].address(),
+                    epoch: 1,
+                    price: Amount(price),
+                })
+                .collect(),
+        };
+        let r = self.requester.clone();
+        self.tx(&r, 0, None, TxPayload::EscrowAssignMany(many))
     }
 
     fn commit(&mut self, job: Uuid, rank: u32, worker: usize, epoch: u64) -> Signed<Transaction> {
@@ -483,6 +503,49 @@ fn prices_beyond_the_lock_are_refused() {
             .contains("over what is left of the lock (400)"),
         "{err}"
     );
+}
+
+#[test]
+fn a_group_is_assigned_in_one_transaction_whole_or_not_at_all() {
+    let mut n = Net::new();
+    let requester = n.requester.clone();
+    let before = n.balance(&requester);
+    let j = job(9);
+    let lock = n.lock(j, 1_000, 3);
+    let many = n.assign_many(j, &[(0, 0, 300), (1, 1, 300), (2, 2, 300)]);
+    n.block(vec![lock, many]).unwrap();
+    let e = n.ledger.escrow(&j).unwrap();
+    let assigned: Vec<(u32, Address, u64)> = e
+        .assignments
+        .iter()
+        .map(|((_, rank), a)| (*rank, a.worker, a.epoch))
+        .collect();
+    let expected: Vec<(u32, Address, u64)> = (0..3)
+        .map(|r| (r, n.workers[r as usize].address(), 1))
+        .collect();
+    assert_eq!(assigned, expected);
+    // The three ranks cost one transaction's network fee: the lock's and this one's.
+    assert_eq!(
+        n.balance(&requester),
+        before - 1_000 - 2 * 60_000 * GAS_PRICE
+    );
+
+    // One assignment beyond the lock refuses the whole transaction: none of it is kept.
+    let k = job(10);
+    let lock = n.lock(k, 1_000, 3);
+    n.block(vec![lock]).unwrap();
+    let over = n.assign_many(k, &[(0, 0, 500), (1, 1, 501)]);
+    let err = n.block(vec![over]).unwrap_err();
+    assert!(
+        err.to_string().contains("over what is left of the lock"),
+        "{err}"
+    );
+    assert!(n.ledger.escrow(&k).unwrap().assignments.is_empty());
+    // Nor one naming a rank twice.
+    let twice = n.assign_many(k, &[(0, 0, 100), (0, 1, 100)]);
+    assert!(n.block(vec![twice]).is_err());
+    assert!(n.ledger.escrow(&k).unwrap().assignments.is_empty());
+    assert_eq!(n.ledger.total(), n.supply());
 }
 
 #[test]

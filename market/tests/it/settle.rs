@@ -219,6 +219,55 @@ fn awarded(net: &Net) -> bool {
 }
 
 #[test]
+fn the_ranks_of_a_group_awarded_together_are_assigned_in_one_transaction() {
+    let nodes = (0..4)
+        .map(|i| Node::new(settled_config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let template = testkit::template(
+        vec![testkit::task("t", 1, 0, 0, 3, 3 * PRICE_BUDGET)],
+        WINDOW,
+        3_600_000,
+    );
+    let job = submit(&mut net, template, [8; 16]);
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let mut chain = Chain {
+        ledger: ledger(100_000_000),
+        nonces: HashMap::new(),
+    };
+    assert!(chain.block(&mut net, end).is_empty());
+    net.nodes[0]
+        .market
+        .command(end, Command::Locked { job, refused: None })
+        .unwrap();
+    step(&mut net, end);
+    let workers: Vec<Address> = (1..4).map(|i| net.nodes[i].address()).collect();
+    match net.nodes[0].settles.as_slice() {
+        [Settle::AssignMany(many)] => {
+            assert_eq!(many.job_id, job);
+            let ranks: Vec<(u32, u32, u64)> = many
+                .assignments
+                .iter()
+                .map(|a| (a.task, a.rank, a.epoch))
+                .collect();
+            assert_eq!(ranks, [(0, 0, 1), (0, 1, 1), (0, 2, 1)]);
+            let mut named: Vec<Address> = many.assignments.iter().map(|a| a.worker).collect();
+            named.sort();
+            let mut expected = workers.clone();
+            expected.sort();
+            assert_eq!(named, expected);
+        }
+        other => panic!("one transaction for the group's three awards: {other:?}"),
+    }
+    assert!(chain.block(&mut net, end).is_empty());
+    let e = chain.ledger.escrow(&job).unwrap();
+    assert_eq!(e.assignments.len(), 3);
+}
+
+#[test]
 fn no_award_before_the_lock_and_an_accepted_delivery_pays_worker_and_fee() {
     let (mut net, mut chain, job, end) = world(100_000_000);
     // The bid window ended with a bid in hand, but the lock is not in a block: no award.

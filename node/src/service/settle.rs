@@ -78,6 +78,27 @@ fn ready(ledger: &Ledger, me: &Address, order: &Settle, now: Timestamp) -> Ready
             _ if e.cancelled => Ready::Over(Err("the job was cancelled".into())),
             _ => Ready::Now,
         },
+        Settle::AssignMany(many) => {
+            let done = |a: &cannabis_protocol::Assigned| {
+                e.assignments
+                    .get(&(a.task, a.rank))
+                    .is_some_and(|x| x.epoch >= a.epoch)
+            };
+            let applied = many.assignments.iter().filter(|a| done(a)).count();
+            if applied == many.assignments.len() {
+                Ready::Over(Ok(()))
+            } else if e.cancelled {
+                Ready::Over(Err("the job was cancelled".into()))
+            } else if applied > 0 {
+                // It applies whole or not at all, and part of it is overtaken.
+                Ready::Over(Err(format!(
+                    "{applied} of its {} assignments are at that epoch or later already",
+                    many.assignments.len()
+                )))
+            } else {
+                Ready::Now
+            }
+        }
         Settle::Commit(c) => match e.assignments.get(&(c.task, c.rank)) {
             None => Ready::Wait,
             Some(x) if x.epoch < c.epoch => Ready::Wait,
@@ -121,7 +142,7 @@ fn ready(ledger: &Ledger, me: &Address, order: &Settle, now: Timestamp) -> Ready
 fn kind(order: &Settle) -> &'static str {
     match order {
         Settle::Lock(_) => "lock",
-        Settle::Assign(_) => "assign",
+        Settle::Assign(_) | Settle::AssignMany(_) => "assign",
         Settle::Commit(_) => "commit",
         Settle::Accept(_) => "accept",
         Settle::Dispute(_) => "dispute",

@@ -212,6 +212,32 @@ fn three_ranks_sum_through_the_channel_and_a_stranger_reaches_nothing() {
         ],
         "each rank's output"
     );
+    // The three awards were bound in the escrow by one transaction of the requester's.
+    let api = client(requester);
+    let me = api.status().unwrap().address;
+    let mut assigning = Vec::new();
+    for b in api.blocks(1_000).unwrap() {
+        for tx in api.block(b.height).unwrap().transactions {
+            if tx.from == me && tx.kind.starts_with("ESCROW_ASSIGN") {
+                assigning.push(tx.kind);
+            }
+        }
+    }
+    assert_eq!(assigning, ["ESCROW_ASSIGN_MANY"]);
+    let escrow = api.escrow(&id).unwrap();
+    let mut assigned: Vec<(u32, String, u64)> = escrow
+        .assignments
+        .iter()
+        .map(|((_, rank), a)| (*rank, a.worker.to_string(), a.epoch))
+        .collect();
+    assigned.sort();
+    let mut ranks: Vec<(u32, String, u64)> = done.tasks[0]
+        .ranks
+        .iter()
+        .map(|r| (r.rank, r.worker.to_string(), r.epoch))
+        .collect();
+    ranks.sort();
+    assert_eq!(assigned, ranks);
     // The stranger's try is in rank 0's node's log, refused.
     let log = std::fs::read_to_string(zero.join("node.log")).unwrap_or_default();
     assert!(

@@ -52,6 +52,8 @@ pub enum TxPayload {
     EscrowLock(EscrowLock),
     /// Bind an awarded assignment (and its price) to the escrow.
     EscrowAssign(EscrowAssign),
+    /// Bind several assignments of one job awarded together (a group's ranks) at once.
+    EscrowAssignMany(EscrowAssignMany),
     /// A worker's commitment to a delivery.
     ResultCommit(ResultCommit),
     /// The requester disputes a delivery inside the review window.
@@ -74,6 +76,8 @@ pub enum TxType {
     EscrowLock,
     /// `ESCROW_ASSIGN`
     EscrowAssign,
+    /// `ESCROW_ASSIGN_MANY`
+    EscrowAssignMany,
     /// `RESULT_COMMIT`
     ResultCommit,
     /// `ESCROW_DISPUTE`
@@ -92,6 +96,7 @@ impl TxType {
             TxType::SubmitResult => SUBMIT_RESULT_GAS_LIMIT,
             TxType::EscrowLock
             | TxType::EscrowAssign
+            | TxType::EscrowAssignMany
             | TxType::ResultCommit
             | TxType::EscrowDispute
             | TxType::EscrowSettle
@@ -106,6 +111,7 @@ impl TxType {
             TxType::SubmitResult => "SUBMIT_RESULT",
             TxType::EscrowLock => "ESCROW_LOCK",
             TxType::EscrowAssign => "ESCROW_ASSIGN",
+            TxType::EscrowAssignMany => "ESCROW_ASSIGN_MANY",
             TxType::ResultCommit => "RESULT_COMMIT",
             TxType::EscrowDispute => "ESCROW_DISPUTE",
             TxType::EscrowSettle => "ESCROW_SETTLE",
@@ -153,6 +159,52 @@ pub struct EscrowAssign {
     pub epoch: u64,
     /// Agreed price.
     pub price: Amount,
+}
+
+/// Most assignments one `ESCROW_ASSIGN_MANY` carries: a group's ranks at most.
+pub const MAX_ASSIGNED: usize = crate::MAX_GROUP_SIZE as usize;
+
+/// Bind several awarded assignments of one job to its escrow in one transaction: a
+/// group's ranks are awarded together, and one signature for all of them is what every
+/// node checks, instead of one per rank. It applies whole or not at all, each assignment
+/// as an [`EscrowAssign`] would, in order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct EscrowAssignMany {
+    /// The job.
+    pub job_id: Uuid,
+    /// The assignments: at least one, at most [`MAX_ASSIGNED`].
+    pub assignments: Vec<Assigned>,
+}
+
+/// One assignment of an [`EscrowAssignMany`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct Assigned {
+    /// Task index.
+    pub task: u32,
+    /// Rank.
+    pub rank: u32,
+    /// Worker paid on acceptance.
+    pub worker: Address,
+    /// Lease epoch; older epochs are refused.
+    pub epoch: u64,
+    /// Agreed price.
+    pub price: Amount,
+}
+
+impl EscrowAssignMany {
+    /// The assignments, each as its own [`EscrowAssign`].
+    pub fn each(&self) -> impl Iterator<Item = EscrowAssign> + '_ {
+        self.assignments.iter().map(|a| EscrowAssign {
+            job_id: self.job_id,
+            task: a.task,
+            rank: a.rank,
+            worker: a.worker,
+            epoch: a.epoch,
+            price: a.price,
+        })
+    }
 }
 
 /// A worker's commitment to what it delivered.
@@ -203,6 +255,7 @@ impl Transaction {
             TxPayload::SubmitResult(_) => TxType::SubmitResult,
             TxPayload::EscrowLock(_) => TxType::EscrowLock,
             TxPayload::EscrowAssign(_) => TxType::EscrowAssign,
+            TxPayload::EscrowAssignMany(_) => TxType::EscrowAssignMany,
             TxPayload::ResultCommit(_) => TxType::ResultCommit,
             TxPayload::EscrowDispute(_) => TxType::EscrowDispute,
             TxPayload::EscrowSettle(_) => TxType::EscrowSettle,
@@ -314,7 +367,16 @@ impl Message for Transaction {
                     return Err(Invalid::new("amount", "must equal the locked amount"));
                 }
             }
+            TxPayload::EscrowAssignMany(many)
+                if many.assignments.is_empty() || many.assignments.len() > MAX_ASSIGNED =>
+            {
+                return Err(Invalid::new(
+                    "payload.assignments",
+                    "must hold 1 to 1024 assignments",
+                ));
+            }
             TxPayload::EscrowAssign(_)
+            | TxPayload::EscrowAssignMany(_)
             | TxPayload::ResultCommit(_)
             | TxPayload::EscrowDispute(_)
             | TxPayload::EscrowSettle(_)
