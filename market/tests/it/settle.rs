@@ -220,34 +220,10 @@ fn awarded(net: &Net) -> bool {
 
 #[test]
 fn the_ranks_of_a_group_awarded_together_are_assigned_in_one_transaction() {
-    let nodes = (0..4)
-        .map(|i| Node::new(settled_config(), identity(i), Some(testkit::keys(i)), T0))
-        .collect();
-    let mut net = network(nodes, |_| Machine::default());
-    let template = testkit::template(
-        vec![testkit::task("t", 1, 0, 0, 3, 3 * PRICE_BUDGET)],
-        WINDOW,
-        3_600_000,
-    );
-    let job = submit(&mut net, template, [8; 16]);
-    net.settle(T0);
-    let end = T0.plus_ms(WINDOW);
-    net.tick(end);
-    net.settle(end);
-    let mut chain = Chain {
-        ledger: ledger(100_000_000),
-        nonces: HashMap::new(),
-    };
-    assert!(chain.block(&mut net, end).is_empty());
-    net.nodes[0]
-        .market
-        .command(end, Command::Locked { job, refused: None })
-        .unwrap();
-    step(&mut net, end);
+    let (net, orders) = group_assigned(3);
     let workers: Vec<Address> = (1..4).map(|i| net.nodes[i].address()).collect();
-    match net.nodes[0].settles.as_slice() {
+    match orders.as_slice() {
         [Settle::AssignMany(many)] => {
-            assert_eq!(many.job_id, job);
             let ranks: Vec<(u32, u32, u64)> = many
                 .assignments
                 .iter()
@@ -262,9 +238,67 @@ fn the_ranks_of_a_group_awarded_together_are_assigned_in_one_transaction() {
         }
         other => panic!("one transaction for the group's three awards: {other:?}"),
     }
+}
+
+#[test]
+fn a_group_larger_than_one_transaction_holds_is_assigned_in_several() {
+    let (_, orders) = group_assigned(60);
+    let sizes: Vec<usize> = orders
+        .iter()
+        .map(|o| match o {
+            Settle::AssignMany(many) => many.assignments.len(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        sizes,
+        [
+            cannabis_protocol::MAX_ASSIGNED,
+            60 - cannabis_protocol::MAX_ASSIGNED
+        ]
+    );
+}
+
+/// A job of one task of `group` ranks, placed on `group` workers once its lock is in a
+/// block: the requester's settlement orders for the awards, which a block then applies
+/// (every rank assigned in the escrow).
+fn group_assigned(group: u32) -> (Net, Vec<Settle>) {
+    let nodes = (0..=u64::from(group))
+        .map(|i| Node::new(settled_config(), identity(i), Some(testkit::keys(i)), T0))
+        .collect();
+    let mut net = network(nodes, |_| Machine::default());
+    let template = testkit::template(
+        vec![testkit::task(
+            "t",
+            1,
+            0,
+            0,
+            group,
+            u64::from(group) * PRICE_BUDGET,
+        )],
+        WINDOW,
+        3_600_000,
+    );
+    let job = submit(&mut net, template, [8; 16]);
+    net.settle(T0);
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    let mut chain = Chain {
+        ledger: ledger(1_000_000_000),
+        nonces: HashMap::new(),
+    };
+    assert!(chain.block(&mut net, end).is_empty());
+    net.nodes[0]
+        .market
+        .command(end, Command::Locked { job, refused: None })
+        .unwrap();
+    step(&mut net, end);
+    let orders = net.nodes[0].settles.clone();
     assert!(chain.block(&mut net, end).is_empty());
     let e = chain.ledger.escrow(&job).unwrap();
-    assert_eq!(e.assignments.len(), 3);
+    assert_eq!(e.assignments.len(), group as usize);
+    (net, orders)
 }
 
 #[test]

@@ -161,8 +161,10 @@ pub struct EscrowAssign {
     pub price: Amount,
 }
 
-/// Most assignments one `ESCROW_ASSIGN_MANY` carries: a group's ranks at most.
-pub const MAX_ASSIGNED: usize = crate::MAX_GROUP_SIZE as usize;
+/// Most assignments one `ESCROW_ASSIGN_MANY` carries, so that the largest fits a
+/// transaction's wire cap (8 KiB: at most 122 bytes each, with room to spare); a larger
+/// group's ranks take several.
+pub const MAX_ASSIGNED: usize = 56;
 
 /// Bind several awarded assignments of one job to its escrow in one transaction: a
 /// group's ranks are awarded together, and one signature for all of them is what every
@@ -372,7 +374,7 @@ impl Message for Transaction {
             {
                 return Err(Invalid::new(
                     "payload.assignments",
-                    "must hold 1 to 1024 assignments",
+                    "must hold 1 to 56 assignments",
                 ));
             }
             TxPayload::EscrowAssign(_)

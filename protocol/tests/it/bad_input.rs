@@ -542,3 +542,60 @@ fn challenge_passes_in_an_ad_are_checked() {
     late.took_ms = 1001;
     assert!(Signed::sign(&keys(2), &late).verify().is_err());
 }
+
+/// An `ESCROW_ASSIGN_MANY` of `n` assignments at the largest values every field takes.
+fn assign_many(n: usize) -> Signed<Transaction> {
+    let requester = keys(7);
+    let many = EscrowAssignMany {
+        job_id: Uuid([0xff; 16]),
+        assignments: (0..n)
+            .map(|i| Assigned {
+                task: u32::MAX,
+                rank: u32::MAX - i as u32,
+                worker: keys(8).address(),
+                epoch: u64::MAX,
+                price: Amount(u64::MAX),
+            })
+            .collect(),
+    };
+    let tx = Transaction::new(
+        requester.address(),
+        None,
+        Amount::ZERO,
+        u64::MAX,
+        u64::MAX / TxType::EscrowAssignMany.gas_limit(),
+        TxPayload::EscrowAssignMany(many),
+    )
+    .unwrap();
+    Signed::sign(&requester, &tx)
+}
+
+#[test]
+fn the_largest_escrow_assign_many_fits_a_transaction_and_one_more_is_refused() {
+    // Every transaction fits the transaction's wire cap: the most assignments one carries
+    // is sized to it (a first cap of 1,024 made a group of 99 a 10 KB transaction, which
+    // the sequencer refused).
+    let full = assign_many(MAX_ASSIGNED);
+    assert!(full.verify().is_ok(), "{:?}", full.verify().err());
+    let bytes = full.to_bytes();
+    assert!(
+        bytes.len() <= <Signed<Transaction>>::MAX_SIZE,
+        "{}",
+        bytes.len()
+    );
+    assert!(Signed::<Transaction>::from_bytes(&bytes).is_ok());
+    assert_eq!(
+        assign_many(MAX_ASSIGNED + 1).verify().err(),
+        Some(OpenError::Invalid(Invalid::new(
+            "payload.assignments",
+            "must hold 1 to 56 assignments"
+        )))
+    );
+    assert_eq!(
+        assign_many(0).verify().err(),
+        Some(OpenError::Invalid(Invalid::new(
+            "payload.assignments",
+            "must hold 1 to 56 assignments"
+        )))
+    );
+}
