@@ -406,11 +406,24 @@ impl Store {
     }
 
     /// Keeps block `height` and drops the transactions it holds (or that can never apply)
-    /// from the pool, in one durable write.
-    pub fn put_block(&self, height: u64, block: &[u8], done: &[Digest]) -> anyhow::Result<()> {
+    /// from the pool, in one write: durable when this returns if `durable`, else with the
+    /// next durable write (a crash before it loses the block, which the node fetches again
+    /// from its peers: a block is the sequencer's to keep, durably; the others' copies can
+    /// be fetched again, as sync does for gossip).
+    pub fn put_block(
+        &self,
+        height: u64,
+        block: &[u8],
+        done: &[Digest],
+        durable: bool,
+    ) -> anyhow::Result<()> {
         let started = std::time::Instant::now();
         let db = self.db()?;
-        let txn = db.begin_write()?;
+        let mut txn = db.begin_write()?;
+        if !durable {
+            txn.set_durability(redb::Durability::None)
+                .context("writing a block without a sync")?;
+        }
         txn.open_table(LEDGER_BLOCKS)?.insert(height, block)?;
         {
             let mut pool = txn.open_table(LEDGER_POOL)?;
@@ -423,6 +436,7 @@ impl Store {
             target: "cannabis::store",
             us = started.elapsed().as_micros() as u64,
             height,
+            durable,
             "block write"
         );
         Ok(())
