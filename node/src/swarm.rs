@@ -50,13 +50,7 @@ pub fn build(
         .with_relay_client(noise::Config::new, yamux::Config::default)?
         .with_behaviour(|key, relay_client| Behaviour::new(key, relay_client, config))
         .map_err(|e| anyhow::anyhow!("building the swarm behaviour: {e}"))?
-        .with_swarm_config(|c| {
-            // A stream that proposes one protocol sends its first frame with the proposal
-            // instead of a round trip later: each bid, award and acceptance arrives one
-            // round trip sooner (under load, one wait for the peer's turn fewer).
-            c.with_idle_connection_timeout(idle)
-                .with_substream_upgrade_protocol_override(libp2p::core::upgrade::Version::V1Lazy)
-        })
+        .with_swarm_config(|c| c.with_idle_connection_timeout(idle))
         // A connection that has not finished its handshake by then is dropped: idle
         // sockets cannot hold the handshake slots for long.
         .with_connection_timeout(Duration::from_secs(config.limits.handshake_timeout_secs))
