@@ -2,9 +2,9 @@
 //! here and only here), running jobs, widening calls that drew too few bids.
 
 use cannabis_protocol::{
-    AdapterKind, Amount, Assigned, Bid, Decline, DeliveryManifest, EscrowAssign, EscrowAssignMany,
-    EscrowCancel, EscrowLock, EscrowSettle, EvaluationOutcome, JobOffer, LeaseAccept, MAX_ASSIGNED,
-    Message as _, NamedDigest, Outcome, Received, Uuid, draw, message_id,
+    AdapterKind, Amount, Assigned, Bid, Decline, DeliveryManifest, EscrowAssignMany, EscrowCancel,
+    EscrowLock, EscrowSettle, EvaluationOutcome, JobOffer, LeaseAccept, MAX_ASSIGNED, Message as _,
+    NamedDigest, Outcome, Received, Uuid, draw, message_id,
 };
 
 use super::{
@@ -702,19 +702,15 @@ impl Market {
                 })
                 .collect();
             for chunk in assigned.chunks(MAX_ASSIGNED) {
-                let settle = match chunk {
-                    [a] => Settle::Assign(EscrowAssign {
-                        job_id: job,
-                        task: a.task,
-                        rank: a.rank,
-                        worker: a.worker,
-                        epoch: a.epoch,
-                        price: a.price,
-                    }),
-                    many => Settle::AssignMany(EscrowAssignMany {
-                        job_id: job,
-                        assignments: many.to_vec(),
-                    }),
+                let many = EscrowAssignMany {
+                    job_id: job,
+                    assignments: chunk.to_vec(),
+                };
+                // One award alone keeps the plain ESCROW_ASSIGN.
+                let single = (chunk.len() == 1).then(|| many.each().next()).flatten();
+                let settle = match single {
+                    Some(one) => Settle::Assign(one),
+                    None => Settle::AssignMany(many),
                 };
                 self.out.fenced(Output::Settle(settle));
             }
