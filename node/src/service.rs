@@ -798,6 +798,10 @@ impl Node {
                         self.make_block();
                     }
                 }
+                () = sleep_until(self.chain.as_ref().and_then(ledger::Chain::block_watch)) => {
+                    turn = ("watch", std::time::Instant::now());
+                    self.watch_blocks();
+                }
                 () = sleep_until(self.ad_due) => {
                     turn = ("ad", std::time::Instant::now());
                     self.ad_due = None;

@@ -47,6 +47,12 @@ const CATCH_UP_EVERY: Duration = Duration::from_secs(60);
 /// On a new connection to a peer other than the sequencer, blocks are asked for at most
 /// this often.
 const ASK_ON_CONNECT_EVERY: Duration = Duration::from_secs(10);
+/// How long a node whose transactions the sequencer acknowledged waits for a block before
+/// it asks the sequencer for blocks; doubled after each ask that finds none, up to
+/// `CATCH_UP_EVERY`. A block made in the moment between a connection and its gossip
+/// subscription reaches no one ("no gossip peers"), and the minute's catch-up came too late
+/// for a lock, whose sender gives it up after `RESEND_AFTER`.
+const BLOCK_WATCH: Duration = Duration::from_secs(2);
 /// How many `blocks` requests one peer is answered: 32 at once (2,048 blocks, a long
 /// catch-up), then 60 a minute; past it a peer is refused until its allowance refills (an
 /// answer reads up to 4 MiB from the store).
@@ -169,12 +175,15 @@ impl OwnNonces {
     }
 
     /// A block took the account's next nonce to `account`: the ones below are spent.
-    pub(crate) fn spent_below(&mut self, account: u64) {
+    /// Whether any was.
+    pub(crate) fn spent_below(&mut self, account: u64) -> bool {
         let before = self.held.len();
         self.held = self.held.split_off(&account);
-        if self.held.len() < before {
+        let spent = self.held.len() < before;
+        if spent {
             self.moved_at = Some(tokio::time::Instant::now());
         }
+        spent
     }
 
     /// Whether some are held and no block took any for `patience`: the sequencer dropped
@@ -222,6 +231,10 @@ pub(crate) struct Chain {
     /// Orders came since the last look: sent once the engine's outputs are drained, all
     /// together (a group's awards ask for one assignment per rank).
     pub(super) orders_new: bool,
+    /// When to ask the sequencer for blocks if none took this node's acknowledged
+    /// transactions by then, and the wait after that one ([`BLOCK_WATCH`], doubling).
+    watch_at: Option<tokio::time::Instant>,
+    watch_every: Duration,
 }
 
 impl Chain {
@@ -282,6 +295,8 @@ impl Chain {
             pending: HashMap::new(),
             orders: Vec::new(),
             orders_new: false,
+            watch_at: None,
+            watch_every: BLOCK_WATCH,
         })
     }
 
@@ -293,6 +308,28 @@ impl Chain {
 
     pub(crate) fn block_due(&self) -> Option<tokio::time::Instant> {
         self.block_at
+    }
+
+    /// When a follower asks the sequencer for the blocks that should have taken its
+    /// transactions ([`BLOCK_WATCH`]).
+    pub(crate) fn block_watch(&self) -> Option<tokio::time::Instant> {
+        self.watch_at
+    }
+
+    /// The sequencer acknowledged one of this node's transactions: a block should take
+    /// it within [`BLOCK_WATCH`].
+    fn watch(&mut self) {
+        if self.watch_at.is_none() {
+            self.watch_at = Some(tokio::time::Instant::now() + self.watch_every);
+        }
+    }
+
+    /// A block took some of this node's transactions: the watch starts again for the rest.
+    fn watched(&mut self, me: &Address) {
+        self.watch_every = BLOCK_WATCH;
+        let account = self.ledger.account(me).nonce;
+        self.watch_at =
+            (self.own.ahead(account) > 0).then(|| tokio::time::Instant::now() + BLOCK_WATCH);
     }
 
     fn interval(&self) -> Duration {
@@ -471,11 +508,46 @@ impl Node {
         let me = self.address;
         if let Some(chain) = self.chain.as_mut() {
             let account = chain.ledger.account(&me).nonce;
-            chain.own.spent_below(account);
+            if chain.own.spent_below(account) {
+                chain.watched(&me);
+            }
         }
         self.settle_due();
         self.drain();
         Ok(())
+    }
+
+    /// A follower's watch ran out: its transactions the sequencer acknowledged are in no
+    /// block it took, so it asks the sequencer for the blocks after its height (the block
+    /// may have been made before the sequencer knew this node took gossip on blocks), and
+    /// watches again, twice as long, while some are out.
+    pub(super) fn watch_blocks(&mut self) {
+        let me = self.address;
+        let Some(chain) = self.chain.as_mut() else {
+            return;
+        };
+        chain.watch_at = None;
+        if chain.sequencing {
+            return;
+        }
+        let account = chain.ledger.account(&me).nonce;
+        let ahead = chain.own.ahead(account);
+        if ahead == 0 {
+            chain.watch_every = BLOCK_WATCH;
+            return;
+        }
+        let waited = chain.watch_every;
+        chain.watch_every = (waited * 2).min(CATCH_UP_EVERY);
+        chain.watch_at = Some(tokio::time::Instant::now() + chain.watch_every);
+        let Ok(peer) = sequencer_peer(chain) else {
+            return;
+        };
+        debug!(
+            ahead,
+            waited_ms = waited.as_millis() as u64,
+            "no block took this node's transactions: asking the sequencer for blocks"
+        );
+        self.ask_blocks(peer);
     }
 
     /// Applies the blocks kept aside that are now next.
@@ -649,7 +721,7 @@ impl Node {
             }
             chain.waiting = proposal.waiting;
             let account = chain.ledger.account(&me).nonce;
-            chain.own.spent_below(account);
+            let _ = chain.own.spent_below(account);
             chain.schedule();
         }
         info!(height, hash = %header.id, txs = refs.len(), "block made");
@@ -925,6 +997,9 @@ impl Node {
             return;
         };
         let delivered = answer.is_ok();
+        if matches!(answer, Ok(LedgerResponse::Submitted { .. })) {
+            chain.watch();
+        }
         let result = match answer {
             Ok(LedgerResponse::Submitted { id }) => Ok(api::Submitted {
                 id: id.to_string(),
