@@ -48,6 +48,12 @@ const TARGET_PEERS: usize = 16;
 /// How long a node waits for its supervisor to answer at start before it says it has no
 /// executor.
 const SUPERVISOR_WAIT: Duration = Duration::from_secs(60);
+/// How long after an executor that did not open the node tries again; doubled after each
+/// try that fails, up to `EXECUTOR_RETRY_MAX`. What kept it closed often passes: a
+/// self-test sandbox too slow on a machine busy starting, a supervisor started later, a
+/// ceilings file the administrator mends.
+const EXECUTOR_RETRY: Duration = Duration::from_secs(5);
+const EXECUTOR_RETRY_MAX: Duration = Duration::from_secs(600);
 /// How long a connection is kept before it may be trimmed (see `trim_connections`).
 const TRIM_GRACE: Duration = Duration::from_secs(30);
 
@@ -288,6 +294,11 @@ pub(crate) struct Node {
     executor: handle::ExecutorSlot,
     /// The task opening it: waited for when the node stops (it holds the store).
     opening: Option<tokio::task::JoinHandle<()>>,
+    /// Where an opening puts the executor (or why it did not open).
+    executor_open: Arc<watch::Sender<handle::Opened>>,
+    /// When to try again an executor that did not open, and the wait after that one.
+    reopen: Option<tokio::time::Instant>,
+    reopen_every: Duration,
     /// Where the engine's run orders go: leased work on the executor.
     runner: mpsc::UnboundedSender<cannabis_market::RunOrder>,
     /// The group attempts this node holds ranks of, and their channels.
@@ -517,6 +528,9 @@ pub async fn start(
         group_streams,
         executor: executor_rx.clone(),
         opening: None,
+        executor_open: Arc::new(executor_tx),
+        reopen: None,
+        reopen_every: EXECUTOR_RETRY,
         probes_asked: 0,
         probe_applied: 0,
         keys,
@@ -576,7 +590,7 @@ pub async fn start(
         &node.config,
         data_dir,
         &store,
-        executor_tx,
+        node.executor_open.clone(),
         internal_tx.clone(),
     ));
     node.probe_machine(None);
@@ -622,7 +636,7 @@ fn open_executor(
     config: &NodeConfig,
     data_dir: &Path,
     store: &Arc<Store>,
-    slot: watch::Sender<handle::Opened>,
+    slot: Arc<watch::Sender<handle::Opened>>,
     tell: mpsc::Sender<Command>,
 ) -> tokio::task::JoinHandle<()> {
     let dir = data_dir.join("exec");
@@ -635,7 +649,7 @@ fn open_executor(
     if let Some(socket) = config.supervisor.clone() {
         return tokio::task::spawn_blocking(move || {
             let opened = open_supervised(&socket, &owner);
-            let _ = slot.send(Some(Arc::new(opened)));
+            slot.send_replace(Some(Arc::new(opened)));
             let _ = tell.blocking_send(Command::ExecutorReady);
         });
     }
@@ -664,7 +678,7 @@ fn open_executor(
             ),
             Err(e) => warn!(reason = %e, "no local executor: this node takes no work"),
         }
-        let _ = slot.send(Some(Arc::new(opened)));
+        slot.send_replace(Some(Arc::new(opened)));
         let _ = tell.blocking_send(Command::ExecutorReady);
     })
 }
@@ -801,6 +815,11 @@ impl Node {
                 () = sleep_until(self.chain.as_ref().and_then(ledger::Chain::block_watch)) => {
                     turn = ("watch", std::time::Instant::now());
                     self.watch_blocks();
+                }
+                () = sleep_until(self.reopen) => {
+                    turn = ("executor", std::time::Instant::now());
+                    self.reopen = None;
+                    self.reopen_executor();
                 }
                 () = sleep_until(self.ad_due) => {
                     turn = ("ad", std::time::Instant::now());
@@ -1304,7 +1323,10 @@ impl Node {
                     None => self.publish_ad_soon(),
                 }
             }
-            Command::ExecutorReady => self.publish_ad_soon(),
+            Command::ExecutorReady => {
+                self.executor_opened();
+                self.publish_ad_soon();
+            }
             Command::Ran {
                 request_id,
                 stage,
@@ -1420,6 +1442,35 @@ impl Node {
             .as_ref()
             .and_then(|c| c.ledger().escrow(id).cloned());
         Ok(detail)
+    }
+
+    /// An opening of the executor ended: one that failed is tried again after
+    /// `reopen_every` (doubling), one that opened resets the wait.
+    fn executor_opened(&mut self) {
+        let failed = matches!(self.executor.borrow().as_deref(), Some(Err(_)));
+        if !failed {
+            self.reopen = None;
+            self.reopen_every = EXECUTOR_RETRY;
+            return;
+        }
+        let wait = self.reopen_every;
+        self.reopen = Some(tokio::time::Instant::now() + wait);
+        self.reopen_every = (wait * 2).min(EXECUTOR_RETRY_MAX);
+        info!(in_secs = wait.as_secs(), "the executor is tried again");
+    }
+
+    /// Opens the executor again, in the background, as at start.
+    fn reopen_executor(&mut self) {
+        if self.opening.as_ref().is_some_and(|t| !t.is_finished()) {
+            return;
+        }
+        self.opening = Some(open_executor(
+            &self.config,
+            &self.data_dir,
+            &self.store,
+            self.executor_open.clone(),
+            self.self_tx.clone(),
+        ));
     }
 
     fn status(&self) -> api::Status {

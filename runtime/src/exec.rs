@@ -1036,7 +1036,9 @@ impl Inner {
             let mut launch = sandbox::launch(&self.launcher, &spec, ids, || ())
                 .and_then(|(starting, ())| starting.enter(&cgroup))
                 .map_err(|e| e.to_string())?;
-            let ready = launch.wait_ready(Duration::from_secs(10));
+            // Generous: on a machine busy starting (a 100-node testnet on two cores) a
+            // working sandbox has taken over 10 s; the test is whether it works at all.
+            let ready = launch.wait_ready(Duration::from_secs(30));
             let checked = ready
                 .map_err(|e| e.to_string())
                 .and_then(|(pid, reported)| {

@@ -201,6 +201,33 @@ impl Testnet {
         }
     }
 
+    /// Waits until every node's executor is open (a node whose executor did not open yet
+    /// tries again by itself): what a benchmark that places work on every node needs.
+    /// Fails after `timeout`, naming each node still without one and why.
+    pub fn wait_executors(&self, timeout: Duration) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        loop {
+            let mut missing = Vec::new();
+            for (i, node) in self.nodes.iter().enumerate() {
+                let executor = node.client.status()?.executor;
+                if executor == "opening" || executor.starts_with("none:") {
+                    missing.push(format!("node {i}: {executor}"));
+                }
+            }
+            if missing.is_empty() {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                bail!(
+                    "{} nodes have no executor after {timeout:?}: {}",
+                    missing.len(),
+                    missing.join("; ")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// Whether every node holds every node's ad as that node last published it (a node
     /// seen only by the ad it sent before probing its machine is not seen yet).
     fn latest_ads_everywhere(&self) -> anyhow::Result<bool> {

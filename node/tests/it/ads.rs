@@ -1,6 +1,7 @@
 //! The capability ad tells the truth about work: a real `cannabis node run` offers only the
 //! adapters its executor would take now (requesters' own programs only on the owner's
-//! opt-in, nothing while paused), and a node with no executor offers no capacity.
+//! opt-in, nothing while paused), and a node with no executor offers no capacity until
+//! its executor opens on a later try.
 
 use std::path::Path;
 use std::process::Command;
@@ -139,4 +140,14 @@ fn the_ad_offers_only_the_work_the_executor_takes_now() {
         (0, 0, 0),
         "{ad:#?}"
     );
+
+    // The administrator mends the file: the node tries its executor again by itself (5 s
+    // after the failure, then less often), and offers work without a restart.
+    std::fs::write(&broken, "cpu = 1\n").unwrap();
+    let mended = own_ad(c.path(), |ad| !ad.adapters.is_empty());
+    assert!(mended.seq > ad.seq);
+    assert_eq!(mended.adapters, cannabis_node::exec::machine_adapters());
+    assert_eq!(mended.cpu_cores, 1, "{mended:#?}");
+    let status = client.status().unwrap();
+    assert!(!status.executor.starts_with("none:"), "{}", status.executor);
 }
