@@ -557,19 +557,29 @@ impl Ledger {
         self.due.first().map(|(t, _)| *t)
     }
 
-    /// The gas a requester's transactions for settling a job of `ranks` assignments use:
-    /// its lock, one assignment per rank, one acceptance per rank (a placement made again
-    /// assigns again; the network fee is this times the gas price, charged apart from the
-    /// budget).
-    pub fn settlement_gas(ranks: u64) -> u64 {
-        use cannabis_protocol::TxType;
-        TxType::EscrowLock.gas_limit().saturating_add(
-            ranks.saturating_mul(
-                TxType::EscrowAssign
-                    .gas_limit()
-                    .saturating_add(TxType::EscrowSettle.gas_limit()),
-            ),
-        )
+    /// The gas a requester's transactions for settling a job whose tasks have `groups`
+    /// ranks each use: its lock; per task, its ranks' assignments (one `ESCROW_ASSIGN` for
+    /// a single rank, an `ESCROW_ASSIGN_MANY` per [`MAX_ASSIGNED`] ranks of a group placed
+    /// together); one acceptance per rank. A placement made again assigns again. The
+    /// network fee is this times the gas price, charged apart from the budget.
+    ///
+    /// [`MAX_ASSIGNED`]: cannabis_protocol::MAX_ASSIGNED
+    pub fn settlement_gas(groups: impl IntoIterator<Item = u64>) -> u64 {
+        use cannabis_protocol::{MAX_ASSIGNED, TxType};
+        groups
+            .into_iter()
+            .fold(TxType::EscrowLock.gas_limit(), |gas, ranks| {
+                let ranks = ranks.max(1);
+                let assign = if ranks == 1 {
+                    TxType::EscrowAssign.gas_limit()
+                } else {
+                    ranks
+                        .div_ceil(MAX_ASSIGNED as u64)
+                        .saturating_mul(TxType::EscrowAssignMany.gas_limit())
+                };
+                gas.saturating_add(assign)
+                    .saturating_add(ranks.saturating_mul(TxType::EscrowSettle.gas_limit()))
+            })
     }
 
     /// The task id of the proof-of-compute task seeded by the block `hash`: a result for

@@ -549,6 +549,39 @@ fn a_group_is_assigned_in_one_transaction_whole_or_not_at_all() {
 }
 
 #[test]
+fn the_network_fee_quoted_for_a_group_is_what_settling_it_costs() {
+    // Lock, the three ranks' assignments in one transaction, and three acceptances: five
+    // transactions, which is what the quote (`Ledger::settlement_gas`) must say. It said
+    // seven (an assignment per rank) once groups were assigned together.
+    let mut n = Net::new();
+    n.fund_workers();
+    let requester = n.requester.clone();
+    let before = n.balance(&requester);
+    let j = job(11);
+    let lock = n.lock(j, 900, 3);
+    let many = n.assign_many(j, &[(0, 0, 300), (1, 1, 300), (2, 2, 300)]);
+    n.block(vec![lock, many]).unwrap();
+    let commits = (0..3).map(|r| n.commit(j, r, r as usize, 1)).collect();
+    n.block(commits).unwrap();
+    let settles = (0..3)
+        .map(|r| n.settle(&requester, j, r, 1, Outcome::Accepted))
+        .collect();
+    n.block(settles).unwrap();
+    let e = n.ledger.escrow(&j).unwrap();
+    assert_eq!(e.paid_worker.0 + e.paid_fee.0, 900);
+    let refunded = e.refunded.map_or(0, |a| a.0);
+    let fees = before - n.balance(&requester) - 900 + refunded;
+    assert_eq!(fees, Ledger::settlement_gas([3]) * GAS_PRICE);
+    // A single rank takes a plain assignment; a group of 99 two of the batched ones.
+    assert_eq!(Ledger::settlement_gas([1]), 3 * 60_000);
+    assert_eq!(Ledger::settlement_gas([99]), (1 + 2 + 99) * 60_000);
+    assert_eq!(
+        Ledger::settlement_gas([1, 56, 57]),
+        (1 + 1 + 1 + 2 + 114) * 60_000
+    );
+}
+
+#[test]
 fn cancel_refunds_what_no_delivery_holds() {
     let mut n = Net::new();
     n.fund_workers();

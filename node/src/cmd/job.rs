@@ -459,15 +459,11 @@ fn submit(
     let ledger = client.ledger().ok();
     let fee_bps = ledger.as_ref().map_or(FOUNDER_FEE_BPS, |l| l.fee_rate_bps);
     let quote = Quote::for_budget(spec.budget, fee_bps)?;
-    let ranks: u64 = template
-        .tasks
-        .iter()
-        .map(|t| u64::from(t.group_size.max(1)))
-        .sum();
+    let groups = template.tasks.iter().map(|t| u64::from(t.group_size));
     let network_fee = ledger.as_ref().map(|l| {
         Amount(
             l.min_gas_price
-                .saturating_mul(cannabis_market::ledger::Ledger::settlement_gas(ranks)),
+                .saturating_mul(cannabis_market::ledger::Ledger::settlement_gas(groups)),
         )
     });
     let explained = client.explain(&template)?;

@@ -158,17 +158,13 @@ impl Node {
             return Ok(());
         };
         let budget = Amount::sum(template.tasks.iter().map(|t| &t.budget))?;
-        let ranks: u64 = template
-            .tasks
-            .iter()
-            .map(|t| u64::from(t.group_size.max(1)))
-            .sum();
+        let groups = template.tasks.iter().map(|t| u64::from(t.group_size));
         let fee = Amount(
             chain
                 .ledger()
                 .genesis()
                 .min_gas_price
-                .saturating_mul(Ledger::settlement_gas(ranks)),
+                .saturating_mul(Ledger::settlement_gas(groups)),
         );
         let t = now().0.max(chain.ledger().time());
         let spendable = chain.ledger().spendable(&self.address, t);
