@@ -569,6 +569,18 @@ impl Groups {
         .collect()
     }
 
+    /// The other members of every group this node holds a rank of: the connections to
+    /// them carry (or will carry) the groups' channels, and are kept while it lasts.
+    pub fn peers(&self) -> std::collections::HashSet<PeerId> {
+        let me = self.keys.address();
+        self.members()
+            .values()
+            .flat_map(|m| m.rendezvous.roster.iter())
+            .filter(|e| e.worker != me)
+            .filter_map(|e| crate::swarm::peer_of(&e.worker))
+            .collect()
+    }
+
     /// This node holds rank `key.2`'s lease at `epoch` of the group attempt `rendezvous`:
     /// the rank's channels are known, its network is made once its sandbox is
     /// ([`Groups::attach`]). Joining again changes nothing.
@@ -1113,6 +1125,33 @@ mod tests {
         );
         assert!(net1.has_go());
         links.iter().for_each(tokio::task::JoinHandle::abort);
+    }
+
+    #[test]
+    fn the_peers_kept_are_the_other_members_of_the_groups_joined() {
+        let (r0, r1, r2) = (
+            Keypair::from_secret([1; 32]),
+            Keypair::from_secret([2; 32]),
+            Keypair::from_secret([3; 32]),
+        );
+        let groups = Groups::new(
+            r1.clone(),
+            libp2p_stream::Behaviour::new().new_control(),
+            Arc::new(|_, _| {}),
+        );
+        assert!(groups.peers().is_empty());
+        let g = group(&[&r0, &r1, &r2]);
+        groups
+            .join("lease/1", (Uuid::from_random([9; 16]), 0, 1), 1, &g)
+            .unwrap();
+        let peer = |k: &Keypair| crate::swarm::peer_of(&k.address()).unwrap();
+        assert_eq!(
+            groups.peers(),
+            [peer(&r0), peer(&r2)].into_iter().collect(),
+            "the other ranks, not this node"
+        );
+        groups.leave("lease/1");
+        assert!(groups.peers().is_empty(), "a group left keeps no peer");
     }
 
     #[test]

@@ -1722,6 +1722,26 @@ impl Node {
                 _ => None,
             })
             .collect();
+        // Nor a connection that carries live work: a group's channels (a stream that a cut
+        // ends, stopping every rank), or the other side of a lease this node holds or
+        // gave (renewals, reports and transfers, every few seconds while it lasts).
+        let mut busy = self.groups.peers();
+        let t = now().0;
+        busy.extend(
+            self.market
+                .leases()
+                .iter()
+                .filter(|(key, lease)| self.market.leases().is_current(key, lease.epoch, t))
+                .filter_map(|(_, lease)| swarm::peer_of(&lease.requester)),
+        );
+        busy.extend(
+            self.market
+                .jobs()
+                .filter(|j| j.state() == cannabis_market::job::JobState::Open)
+                .flat_map(|j| j.tasks().iter().flat_map(|task| task.ranks()))
+                .filter(|a| a.expires_at > t)
+                .filter_map(|a| swarm::peer_of(&a.worker)),
+        );
         // Connections get a moment first: while lookups run at start-up, cutting the ones
         // they just made only makes the next lookup dial them again.
         let settled = tokio::time::Instant::now()
@@ -1730,7 +1750,7 @@ impl Node {
         let excess = connected.len() - limit;
         let spare: Vec<PeerId> = connected
             .into_iter()
-            .filter(|p| !meshed.contains(p) && !bootstrap.contains(p))
+            .filter(|p| !meshed.contains(p) && !bootstrap.contains(p) && !busy.contains(p))
             .filter(|p| {
                 self.connections
                     .get(p)
