@@ -80,9 +80,81 @@ pub fn follow_wall() -> i64 {
     })
 }
 
+/// A retry timer that waits longer after each try that comes to nothing: `first`, then
+/// twice as long each time up to `max`, and `first` again once something works.
+#[derive(Debug)]
+pub(crate) struct Backoff {
+    at: Option<tokio::time::Instant>,
+    every: Duration,
+    first: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    pub(crate) const fn new(first: Duration, max: Duration) -> Self {
+        Self {
+            at: None,
+            every: first,
+            first,
+            max,
+        }
+    }
+
+    /// When it fires, if armed.
+    pub(crate) fn due(&self) -> Option<tokio::time::Instant> {
+        self.at
+    }
+
+    /// The current wait.
+    pub(crate) fn wait(&self) -> Duration {
+        self.every
+    }
+
+    /// Fires after the current wait, unless it is armed already.
+    pub(crate) fn arm(&mut self) {
+        if self.at.is_none() {
+            self.at = Some(tokio::time::Instant::now() + self.every);
+        }
+    }
+
+    /// The next wait is twice this one, up to `max`.
+    pub(crate) fn double(&mut self) {
+        self.every = (self.every * 2).min(self.max);
+    }
+
+    /// Disarmed (it fired, or is not wanted now); the wait stays.
+    pub(crate) fn disarm(&mut self) {
+        self.at = None;
+    }
+
+    /// Disarmed, and the wait back to `first`.
+    pub(crate) fn reset(&mut self) {
+        self.at = None;
+        self.every = self.first;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backoff_waits_twice_as_long_up_to_its_most_and_starts_over_on_reset() {
+        let mut b = Backoff::new(Duration::from_secs(2), Duration::from_secs(5));
+        assert_eq!(b.due(), None);
+        b.arm();
+        let at = b.due().unwrap();
+        b.arm();
+        assert_eq!(b.due(), Some(at), "armed already: the first time stands");
+        b.double();
+        assert_eq!(b.wait(), Duration::from_secs(4));
+        b.double();
+        assert_eq!(b.wait(), Duration::from_secs(5), "at most `max`");
+        b.disarm();
+        assert_eq!((b.due(), b.wait()), (None, Duration::from_secs(5)));
+        b.reset();
+        assert_eq!((b.due(), b.wait()), (None, Duration::from_secs(2)));
+    }
 
     #[test]
     fn a_wall_clock_step_is_followed_slowly_and_never_at_once() {

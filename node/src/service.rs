@@ -296,9 +296,8 @@ pub(crate) struct Node {
     opening: Option<tokio::task::JoinHandle<()>>,
     /// Where an opening puts the executor (or why it did not open).
     executor_open: Arc<watch::Sender<handle::Opened>>,
-    /// When to try again an executor that did not open, and the wait after that one.
-    reopen: Option<tokio::time::Instant>,
-    reopen_every: Duration,
+    /// When to try again an executor that did not open.
+    reopen: crate::clock::Backoff,
     /// Where the engine's run orders go: leased work on the executor.
     runner: mpsc::UnboundedSender<cannabis_market::RunOrder>,
     /// The group attempts this node holds ranks of, and their channels.
@@ -529,8 +528,7 @@ pub async fn start(
         executor: executor_rx.clone(),
         opening: None,
         executor_open: Arc::new(executor_tx),
-        reopen: None,
-        reopen_every: EXECUTOR_RETRY,
+        reopen: crate::clock::Backoff::new(EXECUTOR_RETRY, EXECUTOR_RETRY_MAX),
         probes_asked: 0,
         probe_applied: 0,
         keys,
@@ -816,9 +814,9 @@ impl Node {
                     turn = ("watch", std::time::Instant::now());
                     self.watch_blocks();
                 }
-                () = sleep_until(self.reopen) => {
+                () = sleep_until(self.reopen.due()) => {
                     turn = ("executor", std::time::Instant::now());
-                    self.reopen = None;
+                    self.reopen.disarm();
                     self.reopen_executor();
                 }
                 () = sleep_until(self.ad_due) => {
@@ -1444,19 +1442,20 @@ impl Node {
         Ok(detail)
     }
 
-    /// An opening of the executor ended: one that failed is tried again after
-    /// `reopen_every` (doubling), one that opened resets the wait.
+    /// An opening of the executor ended: one that failed is tried again after the
+    /// retry's wait (doubling), one that opened resets the wait.
     fn executor_opened(&mut self) {
         let failed = matches!(self.executor.borrow().as_deref(), Some(Err(_)));
         if !failed {
-            self.reopen = None;
-            self.reopen_every = EXECUTOR_RETRY;
+            self.reopen.reset();
             return;
         }
-        let wait = self.reopen_every;
-        self.reopen = Some(tokio::time::Instant::now() + wait);
-        self.reopen_every = (wait * 2).min(EXECUTOR_RETRY_MAX);
-        info!(in_secs = wait.as_secs(), "the executor is tried again");
+        info!(
+            in_secs = self.reopen.wait().as_secs(),
+            "the executor is tried again"
+        );
+        self.reopen.arm();
+        self.reopen.double();
     }
 
     /// Opens the executor again, in the background, as at start.

@@ -232,9 +232,8 @@ pub(crate) struct Chain {
     /// together (a group's awards ask for one assignment per rank).
     pub(super) orders_new: bool,
     /// When to ask the sequencer for blocks if none took this node's acknowledged
-    /// transactions by then, and the wait after that one ([`BLOCK_WATCH`], doubling).
-    watch_at: Option<tokio::time::Instant>,
-    watch_every: Duration,
+    /// transactions by then ([`BLOCK_WATCH`], doubling).
+    watch: crate::clock::Backoff,
 }
 
 impl Chain {
@@ -295,8 +294,7 @@ impl Chain {
             pending: HashMap::new(),
             orders: Vec::new(),
             orders_new: false,
-            watch_at: None,
-            watch_every: BLOCK_WATCH,
+            watch: crate::clock::Backoff::new(BLOCK_WATCH, CATCH_UP_EVERY),
         })
     }
 
@@ -313,23 +311,16 @@ impl Chain {
     /// When a follower asks the sequencer for the blocks that should have taken its
     /// transactions ([`BLOCK_WATCH`]).
     pub(crate) fn block_watch(&self) -> Option<tokio::time::Instant> {
-        self.watch_at
-    }
-
-    /// The sequencer acknowledged one of this node's transactions: a block should take
-    /// it within [`BLOCK_WATCH`].
-    fn watch(&mut self) {
-        if self.watch_at.is_none() {
-            self.watch_at = Some(tokio::time::Instant::now() + self.watch_every);
-        }
+        self.watch.due()
     }
 
     /// A block took some of this node's transactions: the watch starts again for the rest.
     fn watched(&mut self, me: &Address) {
-        self.watch_every = BLOCK_WATCH;
+        self.watch.reset();
         let account = self.ledger.account(me).nonce;
-        self.watch_at =
-            (self.own.ahead(account) > 0).then(|| tokio::time::Instant::now() + BLOCK_WATCH);
+        if self.own.ahead(account) > 0 {
+            self.watch.arm();
+        }
     }
 
     fn interval(&self) -> Duration {
@@ -526,19 +517,19 @@ impl Node {
         let Some(chain) = self.chain.as_mut() else {
             return;
         };
-        chain.watch_at = None;
+        chain.watch.disarm();
         if chain.sequencing {
             return;
         }
         let account = chain.ledger.account(&me).nonce;
         let ahead = chain.own.ahead(account);
         if ahead == 0 {
-            chain.watch_every = BLOCK_WATCH;
+            chain.watch.reset();
             return;
         }
-        let waited = chain.watch_every;
-        chain.watch_every = (waited * 2).min(CATCH_UP_EVERY);
-        chain.watch_at = Some(tokio::time::Instant::now() + chain.watch_every);
+        let waited = chain.watch.wait();
+        chain.watch.double();
+        chain.watch.arm();
         let Ok(peer) = sequencer_peer(chain) else {
             return;
         };
@@ -998,7 +989,8 @@ impl Node {
         };
         let delivered = answer.is_ok();
         if matches!(answer, Ok(LedgerResponse::Submitted { .. })) {
-            chain.watch();
+            // A block should take it within the watch's wait.
+            chain.watch.arm();
         }
         let result = match answer {
             Ok(LedgerResponse::Submitted { id }) => Ok(api::Submitted {
