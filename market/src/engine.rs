@@ -929,6 +929,10 @@ pub struct Market {
     leases: Leases,
     /// Tasks this node declined, so a widened offer is not declined again.
     declined: BTreeMap<Uuid, BTreeSet<u32>>,
+    /// Whether this worker stayed silent on an offer it matches for want of a free slot or
+    /// resources (or withdrew a quote for it): the offers held are answered again when a
+    /// lease ends.
+    withheld: bool,
     /// When each node last passed a challenge this node set.
     local_passes: BTreeMap<Address, Timestamp>,
     /// Workers' strikes on the ledger (disputes settled against them), which placement
@@ -961,6 +965,7 @@ impl Market {
             wake_of: BTreeMap::new(),
             bare: BTreeMap::new(),
             declined: BTreeMap::new(),
+            withheld: false,
             local_passes: BTreeMap::new(),
             strikes: BTreeMap::new(),
             own_passes: BTreeMap::new(),
@@ -1092,6 +1097,9 @@ impl Market {
         for (key, lease) in current {
             m.run_start(key, &lease);
         }
+        // Offers it may have stayed silent on before the restart are answered again when
+        // a lease ends.
+        m.withheld = true;
         m.prune_passes();
         m
     }

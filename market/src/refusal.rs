@@ -129,6 +129,16 @@ pub enum Refusal {
         /// Live leases held.
         held: u32,
     },
+    /// The leases the worker holds leave too little of a resource free for the task.
+    #[error("this worker is busy: the task asks {asked} {what}, {free} free now")]
+    Short {
+        /// The resource: "millicores", "bytes of memory", "bytes of storage", "GPUs".
+        what: &'static str,
+        /// What one rank of the task asks.
+        asked: u64,
+        /// What the worker's ad offers less what its live leases hold.
+        free: u64,
+    },
     /// No lease on that assignment.
     #[error("no lease on that assignment")]
     NoLease,

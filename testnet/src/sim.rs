@@ -796,7 +796,7 @@ impl Sim {
                 MarketEvent::LeaseTaken { key, epoch } => self.lease_taken(i, key, epoch)?,
                 MarketEvent::Refused { why, .. } => match why {
                     Refusal::StaleEpoch { .. } => self.report.stale_refused += 1,
-                    Refusal::Busy { .. } => self.report.busy_refused += 1,
+                    Refusal::Busy { .. } | Refusal::Short { .. } => self.report.busy_refused += 1,
                     _ => {}
                 },
                 MarketEvent::TaskLeased { job, task: 0 } => self.placed(i, job),

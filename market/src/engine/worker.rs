@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Award, Cancel, DeliveryManifest, JobOffer, LeaseAccept, LeaseRenewal, NamedDigest,
-    OutputDigest, Received, ResourceUsage, ResultCommit, RunReport, RunStage, TaskInput,
-    message_id,
+    Address, Award, Cancel, DeliveryManifest, Hardware, JobOffer, LeaseAccept, LeaseRenewal,
+    NamedDigest, OutputDigest, Received, ResourceUsage, Resources, ResultCommit, RunReport,
+    RunStage, TaskInput, message_id,
 };
 
 use super::{
@@ -34,12 +34,15 @@ impl Market {
         let now = self.now;
         if self.leases.live_count(now) >= self.config.worker.max_leases as usize {
             // Full: no quotes until a lease ends.
+            self.withheld = true;
             return;
         }
         let Some(own) = self.view.ad(&me).map(|e| e.ad()) else {
             return;
         };
+        let free = self.free(&own.hardware, None);
         let ctx = self.context();
+        let mut withheld = false;
         let answers: Vec<(u32, Answer)> = (0..offer.tasks.len() as u32)
             .filter(|&t| {
                 let answered = self
@@ -51,12 +54,23 @@ impl Market {
                 });
                 !answered && !running
             })
+            .filter(|&t| {
+                // What its leases leave free does not fit the task: silent until one ends
+                // (the executor would refuse the run as busy).
+                let fits = offer
+                    .tasks
+                    .get(t as usize)
+                    .is_some_and(|spec| free.short_of(&spec.resources).is_none());
+                withheld |= !fits;
+                fits
+            })
             .filter_map(|t| {
                 let terms = self.config.fee.as_ref();
                 quote::answer(&self.config.worker, terms, own, offer, item.id, t, &ctx)
                     .map(|a| (t, a))
             })
             .collect();
+        self.withheld |= withheld;
         let requester = offer.requester;
         let job = offer.job_id;
         for (task, answer) in answers {
@@ -112,10 +126,24 @@ impl Market {
         // A newer epoch of an assignment this worker holds replaces its lease: no new slot.
         let held = self.leases.live_count(now);
         let replaces = self.leases.get(&key).is_some_and(|l| l.is_live());
-        if held >= self.config.worker.max_leases as usize && !replaces {
+        let busy = if held >= self.config.worker.max_leases as usize && !replaces {
+            Some(Refusal::Busy { held: held as u32 })
+        } else {
+            // What the other leases leave free must fit the task the bid quoted for.
+            let spec = self
+                .leases
+                .bid_for(&award.job_id, award.task)
+                .and_then(|(_, s)| s.task.as_deref());
+            let own = self.view.ad(&self.me.address).map(|e| &e.ad().hardware);
+            match (spec, own) {
+                (Some(spec), Some(own)) => self.free(own, Some(&key)).short_of(&spec.resources),
+                _ => None,
+            }
+        };
+        if let Some(busy) = busy {
             // The quote is withdrawn, so that this worker quotes again on the next version
             // of the offer (the requester calls for bids again when they run out) once a
-            // slot is free: only for a signed award that names it, from its requester.
+            // lease ends: only for a signed award that names it, from its requester.
             let named = self
                 .leases
                 .bid_for(&award.job_id, award.task)
@@ -125,8 +153,9 @@ impl Market {
                 && let Some(id) = self.leases.withdraw(&award.job_id, award.task)
             {
                 self.out.dirty(RecordKey::SentBid(id));
+                self.withheld = true;
             }
-            return Err(Refusal::Busy { held: held as u32 });
+            return Err(busy);
         }
         self.check_signature(&r)?;
         if let Some(held) = self.leases.get(&key)
@@ -346,15 +375,42 @@ impl Market {
             epoch: s.epoch,
             reason: s.reason,
         });
-        let max = self.config.worker.max_leases as usize;
-        if self.leases.live_count(self.now) + 1 == max {
-            // It was full, and stayed silent on every offer since: it answers them now,
-            // rather than waiting for their next versions (if any come).
+        if std::mem::take(&mut self.withheld) {
+            // It stayed silent on offers for want of a free slot or resources: it answers
+            // them now, rather than waiting for their next versions (if any come).
             let held: Vec<_> = self.view.offers().map(|e| e.item().clone()).collect();
             for item in held {
                 self.answer_offer(&item);
             }
         }
+    }
+
+    /// What this worker's ad offers less what its live leases hold (`except` one, whose
+    /// newer epoch is what is asked for), counted as the executor admits them: every
+    /// lease holds at least one millicore.
+    fn free(&self, own: &Hardware, except: Option<&AssignmentKey>) -> Free {
+        let now = self.now;
+        let mut free = Free {
+            millicores: u64::from(own.cpu_cores) * 1000,
+            memory_bytes: own.memory_bytes,
+            storage_bytes: own.storage_bytes,
+            gpus: own.gpus.iter().filter(|g| g.allowed).count() as u64,
+        };
+        let held = self
+            .leases
+            .iter()
+            .filter(|(k, l)| Some(*k) != except && l.is_live() && l.expires_at > now);
+        for (_, lease) in held {
+            let r = lease.task.as_ref().map(|t| &t.resources);
+            let cpu = r.map_or(0, |r| u64::from(r.cpu_millicores)).max(1);
+            free.millicores = free.millicores.saturating_sub(cpu);
+            if let Some(r) = r {
+                free.memory_bytes = free.memory_bytes.saturating_sub(r.memory_bytes);
+                free.storage_bytes = free.storage_bytes.saturating_sub(r.storage_bytes);
+                free.gpus = free.gpus.saturating_sub(u64::from(r.gpus));
+            }
+        }
+        free
     }
 
     /// Ends leases that ran out; forgets bids whose quote ran out and leases long over.
@@ -371,5 +427,32 @@ impl Market {
         for key in pruned.leases {
             self.out.dirty(RecordKey::Lease(key));
         }
+    }
+}
+
+/// Resources not held by a live lease.
+struct Free {
+    millicores: u64,
+    memory_bytes: u64,
+    storage_bytes: u64,
+    gpus: u64,
+}
+
+impl Free {
+    /// The first resource of one rank of a task that does not fit, as a refusal.
+    fn short_of(&self, r: &Resources) -> Option<Refusal> {
+        [
+            (
+                "millicores",
+                u64::from(r.cpu_millicores).max(1),
+                self.millicores,
+            ),
+            ("bytes of memory", r.memory_bytes, self.memory_bytes),
+            ("bytes of storage", r.storage_bytes, self.storage_bytes),
+            ("GPUs", u64::from(r.gpus), self.gpus),
+        ]
+        .into_iter()
+        .find(|(_, asked, free)| asked > free)
+        .map(|(what, asked, free)| Refusal::Short { what, asked, free })
     }
 }

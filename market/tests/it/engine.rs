@@ -543,6 +543,76 @@ fn a_full_worker_stops_quoting_and_refuses_awards_as_busy() {
 }
 
 #[test]
+fn a_worker_whose_leases_hold_its_cores_stops_quoting_and_refuses_awards_as_busy() {
+    // One worker with one core, allowed four leases, bids on two one-core jobs while it
+    // holds none; both are awarded to it: it takes one and refuses the other, whose core
+    // the first holds (its executor would refuse the run); a third job draws no quote.
+    let nodes = vec![
+        Node::new(config(), identity(0), Some(testkit::keys(0)), T0),
+        Node::new(config(), identity(1), Some(testkit::keys(1)), T0),
+    ];
+    let mut net = network(nodes, |i| Machine {
+        cores: if i == 1 { 1 } else { 8 },
+        ..Machine::default()
+    });
+    let task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    let a = submit_task(&mut net, task.clone(), [1; 16]);
+    let b = submit_task(&mut net, task.clone(), [2; 16]);
+    net.settle(T0);
+    let bids = |net: &Net, j: &Uuid| net.nodes[0].market.job(j).unwrap().tasks()[0].bid_count();
+    assert_eq!((bids(&net, &a), bids(&net, &b)), (1, 1));
+    let end = T0.plus_ms(WINDOW);
+    net.tick(end);
+    net.settle(end);
+    assert!(
+        net.nodes[1].refusals.iter().any(|r| matches!(
+            r,
+            Refusal::Short {
+                what: "millicores",
+                asked: 1000,
+                free: 0
+            }
+        )),
+        "{:?}",
+        net.nodes[1].refusals
+    );
+    let status = |net: &Net, j: &Uuid| {
+        net.nodes[0].market.job(j).unwrap().tasks()[0]
+            .status()
+            .clone()
+    };
+    let running = if status(&net, &a) == TaskStatus::Running {
+        a
+    } else {
+        b
+    };
+    assert_eq!(status(&net, &running), TaskStatus::Running);
+    assert_eq!(net.nodes[1].market.leases().live_count(end), 1);
+    // A task asking for less than a millicore still holds one: no quote.
+    let mut small = task.clone();
+    small.resources.cpu_millicores = 0;
+    let c = submit_task(&mut net, small, [3; 16]);
+    net.settle(end);
+    assert_eq!(
+        bids(&net, &c),
+        0,
+        "a worker whose core is held does not quote"
+    );
+    // The running job ends: the worker quotes at once on what it stayed silent on.
+    net.nodes[0]
+        .market
+        .command(end, Command::Cancel(running))
+        .unwrap();
+    net.drain(0, end);
+    net.settle(end);
+    assert_eq!(
+        bids(&net, &c),
+        1,
+        "a worker free again quotes on what it stayed silent on"
+    );
+}
+
+#[test]
 fn a_task_whose_bids_keep_running_out_fails_after_its_last_call() {
     // The only worker refuses every award as busy (it holds a lease of another job that
     // never ends): the job is called for again five times, each window twice the last,
