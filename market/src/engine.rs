@@ -30,11 +30,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Amount, Award, Bid, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest,
-    DeliveryRecipient, Digest, EscrowAssign, EscrowAssignMany, EscrowCancel, EscrowLock,
-    EscrowSettle, FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal, MAX_AD_PASSES,
-    MoneyError, NamedDigest, OutputDigest, Received, Rendezvous, ResourceUsage, ResultCommit,
-    RunReport, RunStage, Signed, TaskSpec, Timestamp, TxPayload, Uuid,
+    Address, Amount, Award, Bid, Cancel, CapabilityAd, ChallengePass, CheckpointNote, Decline,
+    DeliveryManifest, DeliveryRecipient, Digest, EscrowAssign, EscrowAssignMany, EscrowCancel,
+    EscrowLock, EscrowSettle, FeeTerms, Invalid, JobOffer, LeaseAccept, LeaseRenewal,
+    MAX_AD_PASSES, MoneyError, NamedDigest, OutputDigest, Received, Rendezvous, ResourceUsage,
+    ResultCommit, Resume, RunReport, RunStage, Signed, TaskSpec, Timestamp, TxPayload, Uuid,
 };
 
 use crate::attest::AttestationPolicy;
@@ -157,6 +157,8 @@ pub enum Inbound {
     RunReport(Received<RunReport>),
     /// A worker's delivery manifest.
     Deliver(Received<DeliveryManifest>),
+    /// A worker's note that a rank's checkpoint changed.
+    Checkpoint(Received<CheckpointNote>),
 }
 
 /// A peer's answer to a request the engine sent.
@@ -216,6 +218,8 @@ pub enum Outbound {
     RunReport(RunReport),
     /// To a requester.
     Deliver(DeliveryManifest),
+    /// To a requester.
+    Checkpoint(CheckpointNote),
 }
 
 /// The engine's answer to an inbound request.
@@ -480,6 +484,13 @@ pub enum Output {
     /// [`Command::RankFailed`] if they cannot be had). Fenced: it comes once the manifest
     /// is durable; it comes again after a restart while the rank is still not done.
     Fetch(Box<Signed<DeliveryManifest>>),
+    /// Fetch a rank's checkpoint from its worker (the [`ObjectKind::Checkpoint`] named by
+    /// the note's `seq`), check it against the note, keep it, then give back
+    /// [`Command::CheckpointKept`]. A checkpoint that cannot be had is let go: the one
+    /// kept before stays. Comes for each note newer than the checkpoint kept for that rank.
+    ///
+    /// [`ObjectKind::Checkpoint`]: cannabis_protocol::ObjectKind::Checkpoint
+    FetchCheckpoint(Box<CheckpointNote>),
     /// Check a delivered synthetic product against its task without recomputing it (the
     /// rank's `product.i32` and `result.json` as the fetch kept them: the result's seed and
     /// size, the product's hash, Freivalds' method), then give back
@@ -612,6 +623,9 @@ pub enum RunOrder {
         /// The group attempt this rank belongs to, for a group task: the ranks that reach
         /// each other through the group's channel while the lease holds.
         group: Option<Box<Rendezvous>>,
+        /// The checkpoint the award pins for the rank to resume from, fetched from the
+        /// requester ([`cannabis_protocol::ObjectKind::Checkpoint`]).
+        resume: Option<Box<Resume>>,
     },
     /// The lease was renewed: the attempt may run until `until`.
     Renew {
@@ -751,6 +765,40 @@ pub enum Command {
         /// The machine, as the probe describes it.
         hardware: String,
     },
+    /// A leased attempt's checkpoint changed and is sealed (encrypted to the requester and
+    /// ready to serve as [`cannabis_protocol::ObjectKind::Checkpoint`] named `seq`): the
+    /// requester gets a signed note (only while the lease is current at that epoch).
+    CheckpointSealed {
+        /// The executor's request id ([`RunOrder::request_id`]).
+        request_id: String,
+        /// Counts the attempt's checkpoints from 1.
+        seq: u64,
+        /// The checkpoint's digests and sizes.
+        checkpoint: OutputDigest,
+    },
+    /// A rank's checkpoint was fetched and checked ([`Output::FetchCheckpoint`]): an award
+    /// of that rank at a later epoch pins it, and its worker resumes from it. An older
+    /// one than the checkpoint kept changes nothing.
+    CheckpointKept {
+        /// The job.
+        job: Uuid,
+        /// The task.
+        task: u32,
+        /// The rank.
+        rank: u32,
+        /// The epoch it was made under.
+        epoch: u64,
+        /// Its number within that epoch's attempt.
+        seq: u64,
+        /// SHA-256 of its plaintext.
+        digest: Digest,
+        /// Its size.
+        size_bytes: u64,
+    },
+    /// What this node's executor admits at most (the owner's limits): a worker quotes and
+    /// takes awards only for tasks that fit in what its live leases leave of it. Until
+    /// it is given, the node's own ad counts (its whole cores, memory, storage and GPUs).
+    Capacity(Capacity),
     /// The workers with strikes on the ledger this node keeps, and how many each (all of
     /// them: the map replaces the last one). Placement weighs a bid by its price times one
     /// more than its worker's strikes (see [`crate::placement`]); bids held are weighed
@@ -793,6 +841,19 @@ pub enum Command {
         /// Why.
         reason: String,
     },
+}
+
+/// What a worker's executor admits at most, across all its leases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capacity {
+    /// CPU in thousandths of a core.
+    pub cpu_millicores: u64,
+    /// Memory in bytes.
+    pub memory_bytes: u64,
+    /// Work-directory bytes.
+    pub storage_bytes: u64,
+    /// Whole GPUs.
+    pub gpus: u64,
 }
 
 /// What a command did.
@@ -933,6 +994,8 @@ pub struct Market {
     /// resources (or withdrew a quote for it): the offers held are answered again when a
     /// lease ends.
     withheld: bool,
+    /// What this node's executor admits at most ([`Command::Capacity`]).
+    capacity: Option<Capacity>,
     /// When each node last passed a challenge this node set.
     local_passes: BTreeMap<Address, Timestamp>,
     /// Workers' strikes on the ledger (disputes settled against them), which placement
@@ -966,6 +1029,7 @@ impl Market {
             bare: BTreeMap::new(),
             declined: BTreeMap::new(),
             withheld: false,
+            capacity: None,
             local_passes: BTreeMap::new(),
             strikes: BTreeMap::new(),
             own_passes: BTreeMap::new(),
@@ -1193,6 +1257,20 @@ impl Market {
                 epoch,
                 verdict,
             } => self.product_checked(job, task, rank, epoch, verdict),
+            Command::Capacity(c) => {
+                let more = self.capacity.is_some_and(|old| {
+                    c.cpu_millicores > old.cpu_millicores
+                        || c.memory_bytes > old.memory_bytes
+                        || c.storage_bytes > old.storage_bytes
+                        || c.gpus > old.gpus
+                });
+                self.capacity = Some(c);
+                if more {
+                    // Offers it stayed silent on may fit now.
+                    self.withheld = true;
+                }
+                Ok(CommandOk::Done)
+            }
             Command::Strikes(strikes) => {
                 for (id, job) in &mut self.jobs {
                     if job.set_strikes(&strikes) {
@@ -1246,6 +1324,36 @@ impl Market {
                 hardware,
             } => {
                 self.deliver(&request_id, outputs, usage, exit_code, hardware)?;
+                Ok(CommandOk::Done)
+            }
+            Command::CheckpointSealed {
+                request_id,
+                seq,
+                checkpoint,
+            } => {
+                self.send_checkpoint(&request_id, seq, checkpoint)?;
+                Ok(CommandOk::Done)
+            }
+            Command::CheckpointKept {
+                job,
+                task,
+                rank,
+                epoch,
+                seq,
+                digest,
+                size_bytes,
+            } => {
+                let now = self.now;
+                let j = self.job_mut(job)?;
+                let kept = crate::job::KeptCheckpoint {
+                    epoch,
+                    seq,
+                    digest,
+                    size_bytes,
+                };
+                if j.keep_checkpoint(task, rank, kept, now)? {
+                    self.out.dirty(RecordKey::Job(job));
+                }
                 Ok(CommandOk::Done)
             }
         }
@@ -1380,6 +1488,7 @@ impl Market {
             Inbound::Pass(r) => ("challenge pass", self.on_pass(from, r)),
             Inbound::RunReport(r) => ("run report", self.on_run_report(from, r)),
             Inbound::Deliver(r) => ("delivery", self.on_delivery(from, r)),
+            Inbound::Checkpoint(r) => ("checkpoint note", self.on_checkpoint(from, r)),
         };
         match outcome {
             Ok(()) => self.out.fenced(Output::Reply {

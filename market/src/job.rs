@@ -30,8 +30,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use cannabis_protocol::{
     Address, Amount, Award, Bid, Cancel, Decline, DeliveryManifest, Digest, Evaluation,
     EvaluationOutcome, JobOffer, LeaseAccept, LeaseRenewal, MoneyError, NamedDigest,
-    PublicKeyBytes, Received, Rendezvous, RosterEntry, RunReport, RunStage, SignatureBytes, Signed,
-    TaskInput, Timestamp, Uuid, message_id,
+    PublicKeyBytes, Received, Rendezvous, Resume, RosterEntry, RunReport, RunStage, SignatureBytes,
+    Signed, TaskInput, Timestamp, Uuid, message_id,
 };
 use serde::{Deserialize, Serialize};
 
@@ -244,6 +244,10 @@ pub enum LeaseState {
 pub struct Assignment {
     /// The rank.
     pub rank: u32,
+    /// The checkpoint its award pins for it to resume from: what the requester serves its
+    /// worker as the rank's checkpoint at this epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Resume>,
     /// The worker.
     pub worker: Address,
     /// The fencing token.
@@ -341,6 +345,20 @@ impl Assignment {
     }
 }
 
+/// A rank's checkpoint, fetched from its worker and checked, that the requester keeps for
+/// the rank's next epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptCheckpoint {
+    /// The epoch whose attempt made it.
+    pub epoch: u64,
+    /// Its number within that attempt.
+    pub seq: u64,
+    /// SHA-256 of its plaintext.
+    pub digest: Digest,
+    /// Its size in bytes.
+    pub size_bytes: u64,
+}
+
 /// One task's state.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Task {
@@ -381,6 +399,10 @@ pub struct Task {
     outputs: BTreeMap<String, Digest>,
     /// The last epoch issued per rank.
     epochs: Vec<u64>,
+    /// The latest checkpoint kept of each rank (a task that declares one), pinned by the
+    /// rank's next award.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    checkpoints: BTreeMap<u32, KeptCheckpoint>,
     /// When its bid window opened (for tasks of a graph, when their dependencies ended).
     bidding_since: Option<Timestamp>,
 }
@@ -395,6 +417,11 @@ impl Task {
         self.bids.values()
     }
     /// Number of bids held.
+    /// The latest checkpoint kept of each rank.
+    pub fn checkpoints(&self) -> &BTreeMap<u32, KeptCheckpoint> {
+        &self.checkpoints
+    }
+
     pub fn bid_count(&self) -> usize {
         self.bids.len()
     }
@@ -631,6 +658,7 @@ impl Job {
                 budget: t.budget,
                 outputs: BTreeMap::new(),
                 epochs: vec![0; t.group_size.max(1) as usize],
+                checkpoints: BTreeMap::new(),
                 bidding_since: t.depends_on.is_empty().then_some(now),
             })
             .collect();
@@ -1231,6 +1259,27 @@ impl Job {
     }
 
     /// The assignment of `rank` of task `task`, if it is at `epoch` (the fencing check).
+    /// The assignment at `epoch`, while its lease is current with `worker` for `requester`
+    /// (this job's).
+    fn current_lease(
+        &mut self,
+        task: u32,
+        rank: u32,
+        epoch: u64,
+        worker: Address,
+        requester: Address,
+    ) -> Result<&mut Assignment, Refusal> {
+        let ours = requester == self.offer.requester;
+        let a = self.assignment(task, rank, epoch)?;
+        if worker != a.worker || !ours {
+            return Err(Refusal::NotTheLease);
+        }
+        if a.state != LeaseState::Current {
+            return Err(Refusal::LeaseEnded);
+        }
+        Ok(a)
+    }
+
     fn assignment(&mut self, task: u32, rank: u32, epoch: u64) -> Result<&mut Assignment, Refusal> {
         let job = self.offer.job_id;
         let a = self
@@ -1257,6 +1306,79 @@ impl Job {
     /// (every output it delivers, in order, within its cap; an age file no larger than its
     /// plaintext allows) and kept. `Ok(true)`: new, fetch its outputs; `Ok(false)`: the
     /// same one again.
+    /// A worker's signed note of a new checkpoint for a current rank: checked against the
+    /// task's terms (the task declares a checkpoint of that name; its size within the cap;
+    /// an age file no larger than its plaintext allows) and the rank's lease. `Ok(true)`:
+    /// newer than the checkpoint kept for the rank, fetch it; `Ok(false)`: not newer.
+    pub fn on_checkpoint_note(
+        &mut self,
+        note: &cannabis_protocol::CheckpointNote,
+        _now: Timestamp,
+    ) -> Result<bool, Refusal> {
+        if note.job_id != self.offer.job_id {
+            return Err(Refusal::UnknownJob(note.job_id));
+        }
+        let spec = self
+            .offer
+            .tasks
+            .get(note.task as usize)
+            .ok_or(Refusal::NoSuchTask {
+                job: note.job_id,
+                task: note.task,
+            })?;
+        let bad = |why: String| Err(Refusal::BadManifest(why));
+        let Some(decl) = &spec.checkpoint else {
+            return bad("the task declares no checkpoint".into());
+        };
+        let c = &note.checkpoint;
+        if c.name != decl.name {
+            return bad(format!(
+                "checkpoint {:?} where {:?} is declared",
+                c.name, decl.name
+            ));
+        }
+        let cap = decl.max_bytes.min(spec.resources.storage_bytes);
+        sealed_within(c, cap).map_err(|why| Refusal::BadManifest(format!("checkpoint {why}")))?;
+        self.current_lease(
+            note.task,
+            note.rank,
+            note.epoch,
+            note.worker,
+            note.requester,
+        )?;
+        let kept = self.tasks[note.task as usize].checkpoints.get(&note.rank);
+        Ok(kept.is_none_or(|k| (k.epoch, k.seq) < (note.epoch, note.seq)))
+    }
+
+    /// A rank's checkpoint, fetched and checked: kept if it is newer than the one held
+    /// (an award of the rank at a later epoch pins it). Returns whether it was kept.
+    pub fn keep_checkpoint(
+        &mut self,
+        task: u32,
+        rank: u32,
+        kept: KeptCheckpoint,
+        _now: Timestamp,
+    ) -> Result<bool, Refusal> {
+        let job = self.offer.job_id;
+        let spec = self
+            .offer
+            .tasks
+            .get(task as usize)
+            .ok_or(Refusal::NoSuchTask { job, task })?;
+        if rank >= spec.group_size || spec.checkpoint.is_none() {
+            return Err(Refusal::NoSuchRank { task, rank });
+        }
+        let held = &mut self.tasks[task as usize].checkpoints;
+        if held
+            .get(&rank)
+            .is_some_and(|k| (k.epoch, k.seq) >= (kept.epoch, kept.seq))
+        {
+            return Ok(false);
+        }
+        held.insert(rank, kept);
+        Ok(true)
+    }
+
     pub fn on_manifest(
         &mut self,
         signed: &Signed<DeliveryManifest>,
@@ -1266,7 +1388,6 @@ impl Job {
         if m.job_id != self.offer.job_id {
             return Err(Refusal::UnknownJob(m.job_id));
         }
-        let requester = self.offer.requester;
         let spec = self
             .offer
             .tasks
@@ -1291,28 +1412,10 @@ impl Job {
             if o.name != *name {
                 return bad(format!("output {:?} where {name:?} is due", o.name));
             }
-            if o.size_bytes > *cap {
-                return bad(format!(
-                    "output {name:?} is {} bytes, over its max_size of {cap}",
-                    o.size_bytes
-                ));
-            }
-            if o.cipher_size > cannabis_protocol::max_cipher_size(o.size_bytes)
-                || o.cipher_size <= o.size_bytes
-            {
-                return bad(format!(
-                    "output {name:?}: an age file of {} bytes cannot hold {} bytes",
-                    o.cipher_size, o.size_bytes
-                ));
-            }
+            sealed_within(o, *cap)
+                .map_err(|why| Refusal::BadManifest(format!("output {name:?} {why}")))?;
         }
-        let a = self.assignment(m.task, m.rank, m.epoch)?;
-        if m.worker != a.worker || m.requester != requester {
-            return Err(Refusal::NotTheLease);
-        }
-        if a.state != LeaseState::Current {
-            return Err(Refusal::LeaseEnded);
-        }
+        let a = self.current_lease(m.task, m.rank, m.epoch, m.worker, m.requester)?;
         if let Some(held) = &a.delivery {
             return if held.payload() == signed.payload() {
                 Ok(false)
@@ -1349,14 +1452,8 @@ impl Job {
         if report.job_id != self.offer.job_id {
             return Err(Refusal::UnknownJob(report.job_id));
         }
-        let requester = self.offer.requester;
-        let a = self.assignment(report.task, report.rank, report.epoch)?;
-        if report.worker != a.worker || report.requester != requester {
-            return Err(Refusal::NotTheLease);
-        }
-        if a.state != LeaseState::Current {
-            return Err(Refusal::LeaseEnded);
-        }
+        let (task, rank, epoch) = (report.task, report.rank, report.epoch);
+        let a = self.current_lease(task, rank, epoch, report.worker, report.requester)?;
         if a.progress.as_ref().is_some_and(|p| p.at > report.issued_at) {
             return Ok(());
         }
@@ -1863,6 +1960,10 @@ impl Job {
         for s in &slots {
             let r = s.rank as usize;
             task.epochs[r] += 1;
+            let resume = task.checkpoints.get(&s.rank).map(|k| Resume {
+                digest: k.digest,
+                size_bytes: k.size_bytes,
+            });
             let award = Award {
                 job_id: self.offer.job_id,
                 task: i as u32,
@@ -1880,6 +1981,7 @@ impl Job {
                     .saturating_sub(self.config.renew_margin_ms),
                 rendezvous: rendezvous.clone(),
                 inputs: inputs.clone(),
+                resume: resume.clone(),
             };
             task.ranks.push(Assignment {
                 rank: s.rank,
@@ -1897,6 +1999,7 @@ impl Job {
                 accepted: None,
                 product: None,
                 caught: None,
+                resume,
             });
             actions.push(Action::Award(award));
         }
@@ -2012,6 +2115,26 @@ impl Job {
 }
 
 /// A fresh rendezvous id per group attempt, derived so every node can recompute it.
+/// Whether a sealed file's figures hold: its plaintext within `cap`, and an age file that
+/// can hold that plaintext (above its size, at most the largest one of it).
+fn sealed_within(o: &cannabis_protocol::OutputDigest, cap: u64) -> Result<(), String> {
+    if o.size_bytes > cap {
+        return Err(format!(
+            "is {} bytes, over its max_size of {cap}",
+            o.size_bytes
+        ));
+    }
+    if o.cipher_size > cannabis_protocol::max_cipher_size(o.size_bytes)
+        || o.cipher_size <= o.size_bytes
+    {
+        return Err(format!(
+            "in an age file of {} bytes cannot be {} bytes",
+            o.cipher_size, o.size_bytes
+        ));
+    }
+    Ok(())
+}
+
 fn rendezvous_id(offer: &Digest, task: usize, epochs: &[u64]) -> Uuid {
     let mut parts: Vec<Vec<u8>> = vec![b"cannabis/rendezvous/v1".to_vec(), offer.0.to_vec()];
     parts.push((task as u64).to_le_bytes().to_vec());

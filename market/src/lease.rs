@@ -78,6 +78,9 @@ pub struct Lease {
     /// no sandbox made for a group that may never be whole).
     #[serde(default)]
     pub assembling: bool,
+    /// The checkpoint the award pins for this rank to resume from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Box<cannabis_protocol::Resume>>,
 }
 
 impl Lease {
@@ -301,6 +304,7 @@ impl Leases {
                 inputs: award.inputs.clone(),
                 rendezvous: award.rendezvous.clone().map(Box::new),
                 assembling: award.rendezvous.is_some(),
+                resume: award.resume.clone().map(Box::new),
             },
         );
         let accept = LeaseAccept {
@@ -434,6 +438,7 @@ mod tests {
             renew_every_ms: 20_000,
             rendezvous: None,
             inputs: Vec::new(),
+            resume: None,
         };
         let cancel = |epoch: u64| Cancel {
             job_id: job,

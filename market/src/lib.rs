@@ -56,9 +56,10 @@ mod refusal;
 mod view;
 
 pub use engine::{
-    Answer, BatchId, Command, CommandError, CommandOk, EvaluationOrder, GossipId, Heard, Identity,
-    Inbound, InboundId, Input, Market, MarketConfig, MarketEvent, Origin, Outbound, OutboundId,
-    Output, ProductCheck, Publish, Record, RecordKey, RecordOp, Reply, RunOrder, Settle, SyncId,
+    Answer, BatchId, Capacity, Command, CommandError, CommandOk, EvaluationOrder, GossipId, Heard,
+    Identity, Inbound, InboundId, Input, Market, MarketConfig, MarketEvent, Origin, Outbound,
+    OutboundId, Output, ProductCheck, Publish, Record, RecordKey, RecordOp, Reply, RunOrder,
+    Settle, SyncId,
 };
 pub use refusal::Refusal;
 pub use spec::OfferTemplate;

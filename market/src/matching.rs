@@ -555,6 +555,7 @@ mod tests {
             group_size: 1,
             depends_on: Vec::new(),
             budget: Amount(1000),
+            checkpoint: None,
         }
     }
 

@@ -257,6 +257,18 @@ struct RawTask {
     inputs: Vec<RawInput>,
     #[serde(default)]
     outputs: Vec<RawOutput>,
+    #[serde(default)]
+    checkpoint: Option<RawCheckpoint>,
+}
+
+/// `checkpoint = { name = "state.bin", max_size = "64MiB" }`: the file in the work
+/// directory each rank keeps its progress in (`max_size` defaults to the rank's storage).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCheckpoint {
+    name: String,
+    #[serde(default)]
+    max_size: Option<String>,
 }
 
 fn one() -> u32 {
@@ -1019,6 +1031,49 @@ fn check_task(
             }
         }
     }
+    let checkpoint = match &t.checkpoint {
+        None => None,
+        Some(c) => {
+            if !w.adapter.runs_a_bundle() {
+                return Err(err(
+                    f("checkpoint"),
+                    "only a program of the requester's (process or torchrun) keeps a checkpoint",
+                ));
+            }
+            if !is_safe_name(&c.name) {
+                return Err(err(f("checkpoint.name"), "use 1-255 of A-Z a-z 0-9 . _ -"));
+            }
+            let taken = outputs
+                .iter()
+                .map(|o| o.name.as_str())
+                .chain(inputs.iter().map(|i| match i {
+                    TaskInput::Staged(r) => r.name.as_str(),
+                    TaskInput::FromTask { name, .. } => name.as_str(),
+                }));
+            if let Some(other) = taken.into_iter().find(|n| *n == c.name) {
+                return Err(err(
+                    f("checkpoint.name"),
+                    format!("{other:?} names an output or an input of the task already"),
+                ));
+            }
+            let field = f("checkpoint.max_size");
+            let max = size_field(&field, &c.max_size, resources.storage_bytes)?;
+            if max == 0 || max > resources.storage_bytes {
+                return Err(err(
+                    field,
+                    format!(
+                        "from 1 byte to the rank's storage ({} bytes)",
+                        resources.storage_bytes
+                    ),
+                ));
+            }
+            Some(OutputDecl {
+                name: c.name.clone(),
+                max_bytes: max,
+                rights: OutputRights::Exclusive,
+            })
+        }
+    };
     let digest = match &bundle {
         Source::Digest { digest, .. } => *digest,
         Source::Path(_) => Digest([0; 32]),
@@ -1039,6 +1094,7 @@ fn check_task(
             depends_on,
             budget: Amount(budget),
             restarts: t.restarts,
+            checkpoint,
         },
         bundle,
         inputs: sources,
@@ -1157,6 +1213,51 @@ adapter = "synthetic"
             let e = rate(bad).unwrap_err();
             assert_eq!(e.field, "spot_check", "{e}");
         }
+    }
+
+    #[test]
+    fn a_checkpoint_is_declared_by_name_with_a_cap_within_the_storage() {
+        let process = MINIMAL.replace(
+            "adapter = \"synthetic\"",
+            "adapter = \"process\"\nbundle = \"b.tar\"\nentrypoint = [\"sh\", \"run.sh\"]",
+        );
+        let with = |decl: &str| process.replace("name = \"t\"", &format!("name = \"t\"\n{decl}"));
+        let s = JobSpec::parse(&with(
+            "checkpoint = { name = \"state\", max_size = \"1KiB\" }",
+        ))
+        .unwrap();
+        let c = s.tasks[0].task.checkpoint.clone().unwrap();
+        assert_eq!((c.name.as_str(), c.max_bytes), ("state", 1024));
+        // The cap defaults to the rank's storage.
+        let s = JobSpec::parse(&with("checkpoint = { name = \"state\" }")).unwrap();
+        let t = &s.tasks[0].task;
+        assert_eq!(
+            t.checkpoint.as_ref().unwrap().max_bytes,
+            t.resources.storage_bytes
+        );
+        for (decl, field) in [
+            (
+                "checkpoint = { name = \"../state\" }",
+                "task[0].checkpoint.name",
+            ),
+            (
+                "checkpoint = { name = \"state\", max_size = \"1TiB\" }",
+                "task[0].checkpoint.max_size",
+            ),
+            (
+                "checkpoint = { name = \"out\" }\n[[task.outputs]]\nname = \"out\"\nmax_size = \"1KiB\"",
+                "task[0].checkpoint.name",
+            ),
+        ] {
+            let e = error(&with(decl));
+            assert_eq!(e.field, field, "{decl}: {e}");
+        }
+        // The synthetic task runs no program of the requester's to keep one.
+        let e = error(&MINIMAL.replace(
+            "name = \"t\"",
+            "name = \"t\"\ncheckpoint = { name = \"state\" }",
+        ));
+        assert_eq!(e.field, "task[0].checkpoint");
     }
 
     #[test]

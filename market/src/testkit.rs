@@ -163,6 +163,7 @@ pub fn task(
         group_size,
         depends_on: Vec::new(),
         budget: Amount(budget),
+        checkpoint: None,
     }
 }
 

@@ -11,6 +11,10 @@
 //!   whole in a temporary folder and renamed into place; removed when the lease ends.
 //! - `results/<job>/<task>/<rank>/<name>`: delivered outputs, checked; partial fetches in
 //!   `results/<job>/<task>/<rank>/.fetch-<epoch>/<name>.age.part`, resumed after a restart.
+//! - `outbox/ckpt-<job>-<task>-<rank>-<epoch>/<seq>.age` (and `.leaves`): a worker's
+//!   sealed checkpoints of a running attempt, the last two; removed when the lease ends.
+//! - `checkpoints/<job>/<task>-<rank>/<digest>`: a requester's kept checkpoints of a rank
+//!   (the newest, and the one an award pins), checked; served to the rank's next worker.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -18,9 +22,9 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr as _;
 
 use cannabis_protocol::{
-    Address, DeliveryIdentity, DeliveryManifest, DeliveryRecipient, Digest, NamedDigest,
-    ObjectKind, ObjectRef, OutputDigest, TRANSFER_CHUNK, TransferRequest, TransferResponse, Uuid,
-    merkle,
+    Address, CheckpointNote, DeliveryIdentity, DeliveryManifest, DeliveryRecipient, Digest,
+    NamedDigest, ObjectKind, ObjectRef, OutputDigest, TRANSFER_CHUNK, TransferRequest,
+    TransferResponse, Uuid, max_cipher_size, merkle,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
@@ -270,9 +274,186 @@ pub fn seal(
     Ok(outputs)
 }
 
-/// Removes a lease's sealed outputs (its lease ended).
+/// Removes a lease's sealed outputs and checkpoints (its lease ended).
 pub fn unseal(data_dir: &Path, request_id: &str) {
     let _ = fs::remove_dir_all(outbox_dir(data_dir, request_id));
+    let _ = fs::remove_dir_all(checkpoint_outbox(data_dir, request_id));
+}
+
+/// The folder of one lease's sealed checkpoints, by the executor's request id.
+fn checkpoint_outbox(data_dir: &Path, request_id: &str) -> PathBuf {
+    data_dir
+        .join("outbox")
+        .join(format!("ckpt-{}", request_id.replace('/', "-")))
+}
+
+/// How many sealed checkpoints a worker keeps per lease: the newest, and the one before
+/// (which the requester may still be fetching).
+const CHECKPOINTS_SEALED: u64 = 2;
+
+/// Takes copy `copy.seq` of a running attempt's checkpoint, which the sandbox's monitor
+/// sealed to the requester as it read it (its plaintext never leaves the sandbox), into
+/// this lease's outbox as `<seq>.age` with its `.leaves`, and removes the ones before the
+/// last [`CHECKPOINTS_SEALED`]. Returns its digests as the note gives them. Blocking.
+pub fn take_checkpoint(
+    data_dir: &Path,
+    ex: &ExecutorHandle,
+    request_id: &str,
+    attempt: &str,
+    copy: &cannabis_runtime::sandbox::CheckpointCopy,
+    name: &str,
+) -> Result<OutputDigest, String> {
+    let seq = copy.seq;
+    let dir = checkpoint_outbox(data_dir, request_id);
+    let io = |e: io::Error| format!("taking checkpoint {seq} into {}: {e}", dir.display());
+    fs::create_dir_all(&dir).map_err(io)?;
+    let digest = Digest::from_hex(&copy.sha256)
+        .map_err(|_| format!("checkpoint {seq}: its SHA-256 is not hex"))?;
+    let tmp = dir.join(format!("{seq}.taking"));
+    let file = File::create(&tmp).map_err(io)?;
+    let mut w = LeafWriter::new(io::BufWriter::with_capacity(1 << 20, file));
+    let sealed = format!("checkpoint/{seq}");
+    let most = max_cipher_size(copy.size);
+    let mut offset = 0u64;
+    let taken = loop {
+        let c = match ex.read_output(attempt, &sealed, offset, cannabis_runtime::exec::MAX_CHUNK) {
+            Ok(c) => c,
+            Err(e) => break Err(format!("reading checkpoint {seq}: {e}")),
+        };
+        offset += c.data.len() as u64;
+        if offset > most {
+            break Err(format!(
+                "checkpoint {seq}: its age file is over what {} bytes make",
+                copy.size
+            ));
+        }
+        if let Err(e) = w.write_all(&c.data) {
+            break Err(io(e));
+        }
+        if c.eof || c.data.is_empty() {
+            break Ok(());
+        }
+    };
+    let (buf, leaves) = w.finish();
+    let file = buf.into_inner().map_err(|e| io(e.into_error()));
+    let done = taken.and(file).and_then(|f| f.sync_all().map_err(io));
+    if let Err(e) = done {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    let bytes: Vec<u8> = leaves.iter().flat_map(|d| d.0).collect();
+    fs::write(dir.join(format!("{seq}.leaves")), bytes).map_err(io)?;
+    fs::rename(&tmp, dir.join(format!("{seq}.age"))).map_err(io)?;
+    // Older ones go (a fetch of one of them is refused, and the requester moves on to the
+    // newest it was told of).
+    if let Ok(entries) = fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            let file = e.file_name();
+            let old = file
+                .to_str()
+                .and_then(|n| n.split('.').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .is_some_and(|n| n + CHECKPOINTS_SEALED <= seq);
+            if old {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(OutputDigest {
+        name: name.to_string(),
+        digest,
+        size_bytes: copy.size,
+        cipher_size: offset,
+        cipher_root: merkle::root_of_hashes(&leaves),
+    })
+}
+
+/// Answers the requester's request for a sealed checkpoint of a lease (the caller checked
+/// that it asks for a lease it granted, at that epoch). Blocking.
+pub fn serve_checkpoint(data_dir: &Path, req: &TransferRequest, trees: &Trees) -> TransferResponse {
+    let o = &req.object;
+    let numbered =
+        !o.name.is_empty() && o.name.len() <= 20 && o.name.bytes().all(|b| b.is_ascii_digit());
+    let request_id = RunOrder::request_id(&(o.job_id, o.task, o.rank), o.epoch);
+    let file = checkpoint_outbox(data_dir, &request_id).join(format!("{}.age", o.name));
+    if !numbered || !file.exists() {
+        return TransferResponse::Refused {
+            reason: format!(
+                "no checkpoint {:?} of job {} task {} rank {} at epoch {} here (a newer one replaced it, or the lease ended)",
+                o.name, o.job_id, o.task, o.rank, o.epoch
+            ),
+        };
+    }
+    serve_chunk(&file, req.index, trees)
+}
+
+/// Where a requester keeps the checkpoints of one job's ranks.
+pub fn job_checkpoints(data_dir: &Path, job: &Uuid) -> PathBuf {
+    data_dir.join("checkpoints").join(job.to_string())
+}
+
+/// Where a requester keeps the checkpoints of one rank, each named by its digest.
+pub fn checkpoint_dir(data_dir: &Path, job: &Uuid, task: u32, rank: u32) -> PathBuf {
+    job_checkpoints(data_dir, job).join(format!("{task}-{rank}"))
+}
+
+/// Where a requester keeps one checkpoint of a rank.
+pub fn checkpoint_path(
+    data_dir: &Path,
+    job: &Uuid,
+    task: u32,
+    rank: u32,
+    digest: &Digest,
+) -> PathBuf {
+    checkpoint_dir(data_dir, job, task, rank).join(digest.to_string())
+}
+
+/// Fetches the checkpoint a note announces from its worker, each chunk checked, then
+/// decrypts it and checks its digest and size into the rank's checkpoint folder.
+pub async fn fetch_checkpoint<F, Fut>(
+    data_dir: &Path,
+    identity: &DeliveryIdentity,
+    note: &CheckpointNote,
+    ask: F,
+) -> Result<PathBuf, FetchError>
+where
+    F: Fn(TransferRequest) -> Fut,
+    Fut: std::future::Future<Output = Result<TransferResponse, String>>,
+{
+    let c = &note.checkpoint;
+    let dir = checkpoint_dir(data_dir, &note.job_id, note.task, note.rank);
+    let out = dir.join(c.digest.to_string());
+    if out.exists() {
+        return Ok(out);
+    }
+    let part = dir
+        .join(".fetch")
+        .join(format!("{}-{}.age.part", note.epoch, note.seq));
+    fs::create_dir_all(dir.join(".fetch"))
+        .map_err(|e| FetchError::Transient(format!("{}: {e}", dir.display())))?;
+    let object = ObjectRef {
+        job_id: note.job_id,
+        task: note.task,
+        rank: note.rank,
+        epoch: note.epoch,
+        kind: ObjectKind::Checkpoint,
+        name: note.seq.to_string(),
+    };
+    let expect = Expect {
+        known: Some((c.cipher_size, c.cipher_root)),
+        max_plain: c.size_bytes,
+    };
+    let whole = fetch_object(&part, &object, expect, &ask, &mut |_, _| {}).await?;
+    let check = Check {
+        name: c.name.clone(),
+        digest: c.digest,
+        size: Some(c.size_bytes),
+        max: c.size_bytes,
+        content_rules: false,
+    };
+    let opened = open_checked(&whole, &out, check, identity).await;
+    let _ = fs::remove_file(&whole);
+    opened.map(|()| out)
 }
 
 /// Answers a request for an output from `from`. Blocking.
@@ -480,6 +661,7 @@ pub fn serve_package(
         ObjectKind::Bundle => "bundle",
         ObjectKind::Input => "input",
         ObjectKind::Output => "output",
+        ObjectKind::Checkpoint => "checkpoint",
     };
     let age_file = data_dir
         .join("outbox")

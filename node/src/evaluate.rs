@@ -289,6 +289,7 @@ fn run(
         group_size: 1,
         depends_on: Vec::new(),
         budget: Amount(0),
+        checkpoint: None,
     };
     // One evaluation at a time on this node; an admission refused (the executor busy
     // with leased work) is tried again under the next id, for a while.
@@ -311,6 +312,8 @@ fn run(
         env: Vec::new(),
         loopback: false,
         hold: false,
+        resume: None,
+        checkpoint_to: None,
     };
     let mut k = 0;
     let attempt = loop {

@@ -164,6 +164,14 @@ pub(crate) enum Command {
         usage: cannabis_protocol::ResourceUsage,
         exit_code: Option<i32>,
     },
+    /// A leased attempt's new checkpoint is sealed for the requester: send the note.
+    CheckpointSealed {
+        request_id: String,
+        seq: u64,
+        checkpoint: cannabis_protocol::OutputDigest,
+    },
+    /// A checkpoint fetch ended: the checkpoint is kept, or why not.
+    CheckpointFetched(Box<cannabis_protocol::CheckpointNote>, Result<(), String>),
     /// Ask a peer for a chunk (for a fetch).
     Transfer {
         peer: PeerId,
@@ -376,6 +384,12 @@ pub(crate) struct Node {
     >,
     /// Fetches running: (job, task, rank, epoch).
     fetching: std::collections::HashSet<(cannabis_protocol::Uuid, u32, u32, u64)>,
+    /// The ranks whose checkpoint is being fetched, each with the newest note that came
+    /// meanwhile (fetched next; the ones between are skipped).
+    checkpoint_fetching: std::collections::HashMap<
+        (cannabis_protocol::Uuid, u32, u32),
+        Option<Box<cannabis_protocol::CheckpointNote>>,
+    >,
     /// How far each running fetch is, by (job, task, rank).
     fetch_progress: transfer::Progresses,
     /// Held while a package is sealed for a worker (one sealing at a time).
@@ -566,6 +580,7 @@ pub async fn start(
         self_tx: internal_tx.clone(),
         transfers: HashMap::new(),
         fetching: Default::default(),
+        checkpoint_fetching: Default::default(),
         fetch_progress: Default::default(),
         sealing: Default::default(),
         trees: Default::default(),
@@ -924,6 +939,7 @@ impl Node {
                     let _ = self.runner.send(order);
                 }
                 Output::Fetch(manifest) => self.start_fetch(*manifest),
+                Output::FetchCheckpoint(note) => self.start_checkpoint_fetch(note),
                 Output::CheckProduct(check) => self.check_product(check),
                 Output::Evaluate(order) => self.evaluate(*order),
                 Output::Settle(order) => self.on_settle(order),
@@ -1052,6 +1068,9 @@ impl Node {
             }
             MarketEvent::JobEnded { job, state } => {
                 info!(%job, ?state, "job ended");
+                // No rank of it is placed again: its checkpoints are of no more use.
+                let _ =
+                    std::fs::remove_dir_all(crate::delivery::job_checkpoints(&self.data_dir, &job));
                 let word = format!("{state:?}").to_lowercase();
                 self.metrics
                     .jobs_ended
@@ -1369,6 +1388,25 @@ impl Node {
                     self.drain();
                 }
             }
+            Command::CheckpointSealed {
+                request_id,
+                seq,
+                checkpoint,
+            } => {
+                if self.safe_mode.is_none() {
+                    let sealed = MarketCommand::CheckpointSealed {
+                        request_id: request_id.clone(),
+                        seq,
+                        checkpoint,
+                    };
+                    match self.market.command(now_ms, sealed) {
+                        Ok(_) => debug!(%request_id, seq, "checkpoint sealed; note sent"),
+                        Err(e) => debug!(%request_id, error = %e, "checkpoint not sent"),
+                    }
+                    self.drain();
+                }
+            }
+            Command::CheckpointFetched(note, result) => self.checkpoint_fetched(*note, result),
             Command::Transfer {
                 peer,
                 request,

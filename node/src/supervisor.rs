@@ -56,9 +56,10 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 pub enum Request {
     /// The supervisor's state: limits, layers, the owner's switch, capacity held.
     Status,
-    /// Admit an attempt. Its bundle and inputs come as file descriptors, in this order:
-    /// the bundle (when `bundle` is set), then each input of `inputs`; the paths in the
-    /// request are only names.
+    /// Admit an attempt. Its bundle, inputs and checkpoint to resume from come as file
+    /// descriptors, in this order: the bundle (when `bundle` is set), then each input of
+    /// `inputs`, then the checkpoint (when `resume` is set); the paths in the request are
+    /// only names.
     Submit {
         /// The request.
         request: Box<AttemptRequest>,
@@ -615,7 +616,9 @@ impl Supervisor {
     /// directory of this admission (bounded by the owner's storage limit), and the
     /// request names those copies.
     fn submit(&self, mut request: AttemptRequest, fds: Vec<OwnedFd>) -> Result<Attempt, WireError> {
-        let wanted = usize::from(request.bundle.is_some()) + request.inputs.len();
+        let wanted = usize::from(request.bundle.is_some())
+            + request.inputs.len()
+            + usize::from(request.resume.is_some());
         if fds.len() != wanted {
             return Err(WireError::new(
                 ErrorKind::BadRequest,
@@ -648,6 +651,13 @@ impl Supervisor {
                 budget -= spool_copy(fd, &to, budget)?;
                 *path = to;
             }
+            if request.resume.is_some()
+                && let Some(fd) = fds.next()
+            {
+                let to = spool.join("resume");
+                spool_copy(fd, &to, budget)?;
+                request.resume = Some(to);
+            }
             Ok::<(), WireError>(())
         })();
         let result = copied.and_then(|()| Ok(self.executor.submit(request)?));
@@ -657,6 +667,10 @@ impl Supervisor {
                 .as_ref()
                 .is_some_and(|b| b.starts_with(&spool))
                 || a.request.inputs.iter().any(|(_, p)| p.starts_with(&spool))
+                || a.request
+                    .resume
+                    .as_ref()
+                    .is_some_and(|r| r.starts_with(&spool))
         });
         if !referenced {
             // Refused, or the same request id admitted before (with its own spool).
@@ -681,6 +695,7 @@ impl Supervisor {
                     .bundle
                     .into_iter()
                     .chain(a.request.inputs.into_iter().map(|(_, p)| p))
+                    .chain(a.request.resume)
                     .collect::<Vec<_>>()
             })
             .collect();
@@ -942,6 +957,9 @@ impl SupervisorClient {
         }
         for (_, p) in &request.inputs {
             files.push(open(p)?);
+        }
+        if let Some(r) = &request.resume {
+            files.push(open(r)?);
         }
         if files.len() > MAX_FDS {
             return Err(ExecError::Refused(format!(

@@ -89,6 +89,9 @@ pub fn decode_any(data: &[u8]) {
                     MarketRequest::Deliver(s) => {
                         let _ = s.open();
                     }
+                    MarketRequest::Checkpoint(s) => {
+                        let _ = s.open();
+                    }
                     MarketRequest::ChallengePass(s) => {
                         let _ = s.open();
                     }

@@ -17,9 +17,9 @@ pub use capability::{
     MAX_AD_PASSES, NetworkLimits, OsInfo, PriceSheet,
 };
 pub use delivery::{
-    AGE_HEADER_MAX, COMPUTE_RESULT_DOMAIN, ComputeResult, ComputeResultError, DeliveryManifest,
-    EvaluationReport, MetricValue, NamedDigest, OutputDigest, ResourceUsage, Setting,
-    max_cipher_size,
+    AGE_HEADER_MAX, COMPUTE_RESULT_DOMAIN, CheckpointNote, ComputeResult, ComputeResultError,
+    DeliveryManifest, EvaluationReport, MetricValue, NamedDigest, OutputDigest, ResourceUsage,
+    Setting, max_cipher_size,
 };
 pub use directed::{
     ChallengeRequest, ChallengeResponse, LedgerRequest, LedgerResponse, MarketRequest,
@@ -36,8 +36,8 @@ pub use ledger::{
     TxError, TxPayload, TxType, compute_leaves,
 };
 pub use market::{
-    Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, RosterEntry, RunReport,
-    RunStage,
+    Award, Bid, Cancel, Decline, LeaseAccept, LeaseRenewal, Rendezvous, Resume, RosterEntry,
+    RunReport, RunStage,
 };
 pub use offer::{
     AcceptanceMetric, Comparison, InputRef, JobOffer, MAX_GROUP_SIZE, MAX_RESTARTS, MAX_TASKS,

@@ -512,7 +512,10 @@ impl Executor {
         Ok(())
     }
 
-    /// Reads output `name` (stdout, stderr or a declared output) from `offset`.
+    /// Reads output `name` (stdout, stderr or a declared output) from `offset`; for a task
+    /// with a checkpoint also `checkpoint/latest` (the newest copy sealed while it runs, a
+    /// [`crate::sandbox::CheckpointCopy`] as JSON) and `checkpoint/<seq>` (that copy's age
+    /// file, encrypted to [`AttemptRequest::checkpoint_to`]).
     pub fn read_output(
         &self,
         id: &str,
@@ -878,6 +881,13 @@ impl Inner {
         for o in &task.outputs {
             plain_name(&o.name).map_err(|e| format!("output {e}"))?;
         }
+        match (&task.checkpoint, &request.resume) {
+            (Some(c), _) => plain_name(&c.name).map_err(|e| format!("checkpoint {e}"))?,
+            (None, Some(_)) => {
+                return Err("a checkpoint to resume from, for a task that declares none".into());
+            }
+            (None, None) => {}
+        }
         for input in &task.inputs {
             let name = input_name(input);
             plain_name(name).map_err(|e| format!("input {e}"))?;
@@ -1029,6 +1039,7 @@ impl Inner {
             program: self.cfg.program.clone(),
             devices: Vec::new(),
             loopback: false,
+            checkpoint: None,
         };
         let result = (|| {
             write_lease(&dir, now_ms() + 30_000).map_err(|e| e.to_string())?;
@@ -1206,6 +1217,7 @@ pub(crate) mod tests {
             group_size: 1,
             depends_on: Vec::new(),
             budget: Amount(0),
+            checkpoint: None,
         }
     }
 
@@ -1266,6 +1278,8 @@ pub(crate) mod tests {
             env: Vec::new(),
             loopback: false,
             hold: false,
+            resume: None,
+            checkpoint_to: None,
         }
     }
 

@@ -69,6 +69,24 @@ pub mod files {
     pub const INPUTS: &str = "inputs";
     /// The unpacked bundle.
     pub const BUNDLE: &str = "bundle";
+    /// Sealed copies of the task's checkpoint file, taken while the workload runs:
+    /// `<seq>.age` files (encrypted to the requester) and `latest.json`
+    /// ([`super::CheckpointCopy`]) naming the newest.
+    pub const CHECKPOINTS: &str = "checkpoints";
+    /// The checkpoint a rank placed again resumes from, put in the work directory under
+    /// the task's checkpoint name before the command starts.
+    pub const RESUME: &str = "resume";
+}
+
+/// The newest checkpoint sealed out of a running sandbox: `checkpoints/latest.json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CheckpointCopy {
+    /// Counts the copies of this attempt from 1; the copy is `checkpoints/<seq>.age`.
+    pub seq: u64,
+    /// Its plaintext's size in bytes.
+    pub size: u64,
+    /// Its plaintext's SHA-256, lowercase hex.
+    pub sha256: String,
 }
 
 /// Where things are inside the sandbox.
@@ -138,6 +156,22 @@ pub struct SandboxSpec {
     /// through its node). Otherwise only Unix sockets.
     #[serde(default)]
     pub loopback: bool,
+    /// The task's checkpoint file in the work directory: sealed (into `checkpoints/`)
+    /// each time it changes while the command runs.
+    #[serde(default)]
+    pub checkpoint: Option<CheckpointSpec>,
+}
+
+/// What the monitor seals of the work directory while the command runs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CheckpointSpec {
+    /// The file's name in the work directory.
+    pub name: String,
+    /// Its size cap.
+    pub cap: u64,
+    /// The age recipient (`age1...`) each copy is encrypted to; `None`: no copies are
+    /// taken (a checkpoint to resume from is still put in place).
+    pub to: Option<String>,
 }
 
 /// The rlimits of the workload.

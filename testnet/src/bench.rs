@@ -276,6 +276,7 @@ pub fn bench_offer(k: usize) -> OfferTemplate {
             group_size: 1,
             depends_on: Vec::new(),
             budget: Amount(1_000),
+            checkpoint: None,
         }],
         ttl_ms: 10 * 60_000,
         deadline_ms: 20 * 60_000,

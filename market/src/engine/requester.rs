@@ -416,6 +416,22 @@ impl Market {
         Ok(())
     }
 
+    /// A worker's note that a rank's checkpoint changed: checked against the task's terms
+    /// and the rank's current lease; a checkpoint newer than the one kept is fetched.
+    pub(super) fn on_checkpoint(
+        &mut self,
+        from: cannabis_protocol::Address,
+        r: Received<cannabis_protocol::CheckpointNote>,
+    ) -> Result<(), Refusal> {
+        Self::from_signer(from, &r)?;
+        let (job_id, now) = (r.body.job_id, self.now);
+        let job = self.signed_for_job(from, &r, job_id)?;
+        if job.on_checkpoint_note(&r.body, now)? {
+            self.out.fenced(Output::FetchCheckpoint(Box::new(r.body)));
+        }
+        Ok(())
+    }
+
     /// A bid: cheap checks first (the job, the offer version, the quote's life, the task,
     /// the price, the draw), then the signature, then the worker's ad. The one place where
     /// bid admission is decided.

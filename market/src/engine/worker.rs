@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use cannabis_protocol::{
-    Address, Award, Cancel, DeliveryManifest, Hardware, JobOffer, LeaseAccept, LeaseRenewal,
-    NamedDigest, OutputDigest, Received, ResourceUsage, Resources, ResultCommit, RunReport,
-    RunStage, TaskInput, message_id,
+    Address, Award, Cancel, CheckpointNote, DeliveryManifest, Hardware, JobOffer, LeaseAccept,
+    LeaseRenewal, NamedDigest, OutputDigest, Received, ResourceUsage, Resources, ResultCommit,
+    RunReport, RunStage, TaskInput, message_id,
 };
 
 use super::{
@@ -258,7 +258,33 @@ impl Market {
             deliver_to: lease.deliver_to,
             inputs: lease.inputs.clone(),
             group: lease.rendezvous.clone(),
+            resume: lease.resume.clone(),
         }));
+    }
+
+    /// A current lease's attempt has a new checkpoint, sealed for the requester: it gets a
+    /// signed note, and fetches it (a stale epoch's attempt sends nothing).
+    pub(super) fn send_checkpoint(
+        &mut self,
+        request_id: &str,
+        seq: u64,
+        checkpoint: OutputDigest,
+    ) -> Result<(), Refusal> {
+        let (key, lease) = self.current_lease_of(request_id)?;
+        let note = CheckpointNote {
+            job_id: key.0,
+            task: key.1,
+            rank: key.2,
+            epoch: lease.epoch,
+            worker: self.me.address,
+            requester: lease.requester,
+            seq,
+            checkpoint,
+            issued_at: self.now,
+        };
+        let purpose = Purpose::Other("checkpoint note", lease.requester);
+        self.send(lease.requester, Outbound::Checkpoint(note), purpose);
+        Ok(())
     }
 
     /// The outputs of a current lease's completed attempt are sealed: the requester gets
@@ -385,16 +411,25 @@ impl Market {
         }
     }
 
-    /// What this worker's ad offers less what its live leases hold (`except` one, whose
-    /// newer epoch is what is asked for), counted as the executor admits them: every
-    /// lease holds at least one millicore.
+    /// What this worker's executor admits ([`super::Capacity`], else what its own ad
+    /// offers) less what its live leases hold (`except` one, whose newer epoch is what is
+    /// asked for), counted as the executor admits them: every lease holds at least one
+    /// millicore.
     fn free(&self, own: &Hardware, except: Option<&AssignmentKey>) -> Free {
         let now = self.now;
-        let mut free = Free {
-            millicores: u64::from(own.cpu_cores) * 1000,
-            memory_bytes: own.memory_bytes,
-            storage_bytes: own.storage_bytes,
-            gpus: own.gpus.iter().filter(|g| g.allowed).count() as u64,
+        let mut free = match self.capacity {
+            Some(c) => Free {
+                millicores: c.cpu_millicores,
+                memory_bytes: c.memory_bytes,
+                storage_bytes: c.storage_bytes,
+                gpus: c.gpus,
+            },
+            None => Free {
+                millicores: u64::from(own.cpu_cores) * 1000,
+                memory_bytes: own.memory_bytes,
+                storage_bytes: own.storage_bytes,
+                gpus: own.gpus.iter().filter(|g| g.allowed).count() as u64,
+            },
         };
         let held = self
             .leases

@@ -144,6 +144,7 @@ impl Job {
                 budget: t.budget,
                 outputs: t.outputs.clone(),
                 epochs: t.epochs.clone(),
+                checkpoints: t.checkpoints.clone(),
                 bidding_since: t.bidding_since,
             })
             .collect();

@@ -95,6 +95,8 @@ pub struct Node {
     pub runs: Vec<RunOrder>,
     /// Deliveries whose outputs its driver is asked to fetch, in order.
     pub fetches: Vec<Signed<cannabis_protocol::DeliveryManifest>>,
+    /// Checkpoints its driver is asked to fetch, in order.
+    pub checkpoint_fetches: Vec<cannabis_protocol::CheckpointNote>,
     /// Synthetic products the engine asked to check.
     pub checks: Vec<crate::ProductCheck>,
     /// Evaluations the engine asked for.
@@ -120,6 +122,7 @@ impl Node {
             store_writes: 0,
             runs: Vec::new(),
             fetches: Vec::new(),
+            checkpoint_fetches: Vec::new(),
             checks: Vec::new(),
             evaluations: Vec::new(),
             settles: Vec::new(),
@@ -196,6 +199,7 @@ impl Node {
                         Outbound::Cancel(c) => self.open(c).map(Inbound::Cancel),
                         Outbound::RunReport(r) => self.open(r).map(Inbound::RunReport),
                         Outbound::Deliver(d) => self.open(d).map(Inbound::Deliver),
+                        Outbound::Checkpoint(c) => self.open(c).map(Inbound::Checkpoint),
                     };
                     if let Some(msg) = msg {
                         out.push(Envelope::Request {
@@ -243,6 +247,7 @@ impl Node {
                 Output::Event(e) => self.events.push(e),
                 Output::Run(order) => self.runs.push(order),
                 Output::Fetch(manifest) => self.fetches.push(*manifest),
+                Output::FetchCheckpoint(note) => self.checkpoint_fetches.push(*note),
                 Output::CheckProduct(check) => self.checks.push(check),
                 Output::Evaluate(order) => self.evaluations.push(*order),
                 Output::Settle(order) => self.settles.push(order),

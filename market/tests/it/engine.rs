@@ -613,6 +613,43 @@ fn a_worker_whose_leases_hold_its_cores_stops_quoting_and_refuses_awards_as_busy
 }
 
 #[test]
+fn a_worker_counts_what_its_executor_admits_not_its_ads_whole_cores() {
+    // A worker allowed a quarter core advertises 0 whole cores, so only tasks asking for
+    // no CPU match its ad. Told what its executor admits (250 millicores), it quotes on
+    // one (which holds a millicore there); counting its ad's 0 cores it would not.
+    let nodes = vec![
+        Node::new(config(), identity(0), Some(testkit::keys(0)), T0),
+        Node::new(config(), identity(1), Some(testkit::keys(1)), T0),
+    ];
+    let mut net = network(nodes, |i| Machine {
+        cores: if i == 1 { 0 } else { 8 },
+        ..Machine::default()
+    });
+    let capacity = cannabis_market::Capacity {
+        cpu_millicores: 250,
+        memory_bytes: 32 << 30,
+        storage_bytes: 500 << 30,
+        gpus: 0,
+    };
+    net.nodes[1]
+        .market
+        .command(T0, Command::Capacity(capacity))
+        .unwrap();
+    let mut jobs = Vec::new();
+    for (k, millicores) in [0u32, 250, 251].into_iter().enumerate() {
+        let mut task = testkit::task("t", 0, 0, 0, 1, 1_000_000);
+        task.resources.cpu_millicores = millicores;
+        jobs.push(submit_task(&mut net, task, [k as u8 + 1; 16]));
+    }
+    net.settle(T0);
+    let bids: Vec<usize> = jobs
+        .iter()
+        .map(|j| net.nodes[0].market.job(j).unwrap().tasks()[0].bid_count())
+        .collect();
+    assert_eq!(bids, [1, 0, 0]);
+}
+
+#[test]
 fn a_task_whose_bids_keep_running_out_fails_after_its_last_call() {
     // The only worker refuses every award as busy (it holds a lease of another job that
     // never ends): the job is called for again five times, each window twice the last,
@@ -1162,6 +1199,113 @@ fn sealed(name: &str, size: u64) -> OutputDigest {
         cipher_size: size + 200,
         cipher_root: Digest::of(b"root"),
     }
+}
+
+#[test]
+fn a_rank_placed_again_resumes_from_the_checkpoint_its_last_worker_sent() {
+    let mut task = testkit::task("t", 1, 0, 0, 1, 1_000_000);
+    task.checkpoint = Some(OutputDecl {
+        name: "state".into(),
+        max_bytes: 1000,
+        rights: OutputRights::Exclusive,
+    });
+    let (mut net, job, end) = leased(3, task);
+    let first = net.nodes[0].market.job(&job).unwrap().tasks()[0].ranks()[0].clone();
+    let w = (1..3)
+        .find(|&i| net.nodes[i].address() == first.worker)
+        .unwrap();
+    let id = RunOrder::request_id(&(job, 0, 0), 1);
+    let sealed_as = |w: usize, net: &mut Net, seq: u64, c: OutputDigest| {
+        let r = net.nodes[w].market.command(
+            end,
+            Command::CheckpointSealed {
+                request_id: id.clone(),
+                seq,
+                checkpoint: c,
+            },
+        );
+        net.drain(w, end);
+        r
+    };
+    // The worker's attempt has a new checkpoint, sealed: the requester is told, signed,
+    // and fetches it.
+    sealed_as(w, &mut net, 1, sealed("state", 100)).unwrap();
+    net.settle(end);
+    let fetches = |net: &Net| net.nodes[0].checkpoint_fetches.clone();
+    assert_eq!(fetches(&net).len(), 1);
+    let note = &fetches(&net)[0];
+    assert_eq!((note.seq, note.epoch, note.worker), (1, 1, first.worker));
+    // One named otherwise than the task declares, or over its cap, is refused.
+    sealed_as(w, &mut net, 2, sealed("other", 100)).unwrap();
+    sealed_as(w, &mut net, 3, sealed("state", 1001)).unwrap();
+    net.settle(end);
+    assert_eq!(fetches(&net).len(), 1);
+    let refused = |net: &Net| {
+        net.nodes[0]
+            .refusals
+            .iter()
+            .filter(|r| matches!(r, Refusal::BadManifest(_)))
+            .count()
+    };
+    assert_eq!(refused(&net), 2, "{:?}", net.nodes[0].refusals);
+    // Fetched and checked: the requester keeps it. The same note again is not fetched
+    // again, and an older one than the one kept is not kept.
+    let kept = |seq: u64| Command::CheckpointKept {
+        job,
+        task: 0,
+        rank: 0,
+        epoch: 1,
+        seq,
+        digest: Digest::of(b"state"),
+        size_bytes: 100,
+    };
+    net.nodes[0].market.command(end, kept(1)).unwrap();
+    net.drain(0, end);
+    sealed_as(w, &mut net, 1, sealed("state", 100)).unwrap();
+    net.settle(end);
+    assert_eq!(fetches(&net).len(), 1);
+    let held = net.nodes[0].market.job(&job).unwrap().tasks()[0]
+        .checkpoints()
+        .clone();
+    assert_eq!(held.get(&0).map(|k| (k.epoch, k.seq)), Some((1, 1)));
+    // The run fails: the rank is placed again, on the other worker, whose award pins
+    // the checkpoint kept; its executor is asked to resume from it.
+    net.nodes[w]
+        .market
+        .command(
+            end,
+            Command::Ran {
+                request_id: id.clone(),
+                stage: RunStage::Failed,
+                detail: "the machine went away".into(),
+            },
+        )
+        .unwrap();
+    net.tick(end);
+    net.settle(end);
+    let j = net.nodes[0].market.job(&job).unwrap();
+    let again = &j.tasks()[0].ranks()[0];
+    assert_eq!(again.epoch, 2, "{:?}", j.history());
+    let pin = Resume {
+        digest: Digest::of(b"state"),
+        size_bytes: 100,
+    };
+    assert_eq!(again.resume, Some(pin.clone()));
+    let other = 3 - w;
+    assert!(
+        net.nodes[other].runs.iter().any(|o| matches!(
+            o,
+            RunOrder::Start { epoch: 2, resume: Some(r), .. } if **r == pin
+        )),
+        "{:?}",
+        net.nodes[other].runs
+    );
+    // The first worker's attempt, a stale epoch now, sends no note.
+    let stale = sealed_as(w, &mut net, 4, sealed("state", 100));
+    assert!(
+        matches!(stale, Err(CommandError::Refused(Refusal::LeaseEnded))),
+        "{stale:?}"
+    );
 }
 
 #[test]

@@ -373,6 +373,10 @@ pub struct TaskDetail {
     /// Outputs on their way here, per rank.
     #[serde(default)]
     pub transfers: Vec<Transfer>,
+    /// The latest checkpoint kept of each rank, by rank (a task that declares one): what
+    /// a rank placed again resumes from.
+    #[serde(default)]
+    pub checkpoints: std::collections::BTreeMap<u32, cannabis_market::job::KeptCheckpoint>,
 }
 
 /// One output a rank delivered.
@@ -538,6 +542,7 @@ impl JobDetail {
                     explanation: (task.bid_count() == 0 || unplaced).then(|| explain(spec)),
                     delivered: Vec::new(),
                     transfers: Vec::new(),
+                    checkpoints: task.checkpoints().clone(),
                 }
             })
             .collect();

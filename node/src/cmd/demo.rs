@@ -307,6 +307,7 @@ pub(super) fn run(args: &DemoArgs) -> anyhow::Result<()> {
             group_size: 1,
             depends_on: Vec::new(),
             budget,
+            checkpoint: None,
         }],
         ttl_ms: 60_000,
         deadline_ms: 3_600_000,

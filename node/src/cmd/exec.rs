@@ -270,6 +270,8 @@ fn build_request(args: &ExecRunArgs) -> anyhow::Result<AttemptRequest> {
         env: Vec::new(),
         loopback: false,
         hold: false,
+        resume: None,
+        checkpoint_to: None,
     })
 }
 

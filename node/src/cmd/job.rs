@@ -650,13 +650,25 @@ fn print_job(job: &JobDetail) -> anyhow::Result<()> {
             if r.caught.is_some() {
                 product.push_str(", WRONG by spot check: disputed");
             }
+            let resumed = r.resume.as_ref().map_or(String::new(), |c| {
+                format!(", resumed from a {}-byte checkpoint", c.size_bytes)
+            });
             out!(
-                "  rank {} {} epoch {} price {} {}{work}{product}",
+                "  rank {} {} epoch {} price {} {}{work}{product}{resumed}",
                 r.rank,
                 r.worker,
                 r.epoch,
                 r.price,
                 state
+            )?;
+        }
+        for (rank, c) in &t.checkpoints {
+            out!(
+                "  rank {rank} checkpoint kept: number {} of epoch {}, {} bytes, sha256 {}",
+                c.seq,
+                c.epoch,
+                c.size_bytes,
+                c.digest
             )?;
         }
         for x in &t.transfers {

@@ -184,6 +184,7 @@ impl Node {
             MarketRequest::LeaseRenewal(s) => s.open().map(Inbound::Renewal),
             MarketRequest::Cancel(s) => s.open().map(Inbound::Cancel),
             MarketRequest::RunReport(s) => s.open().map(Inbound::RunReport),
+            MarketRequest::Checkpoint(s) => s.open().map(Inbound::Checkpoint),
             MarketRequest::Deliver(s) => s.open().map(Inbound::Deliver),
             MarketRequest::ChallengePass(s) => s.open().map(Inbound::Pass),
         };
@@ -244,6 +245,7 @@ impl Node {
             Outbound::Renewal(r) => MarketRequest::LeaseRenewal(Signed::sign(k, &r)),
             Outbound::Cancel(c) => MarketRequest::Cancel(Signed::sign(k, &c)),
             Outbound::RunReport(r) => MarketRequest::RunReport(Signed::sign(k, &r)),
+            Outbound::Checkpoint(c) => MarketRequest::Checkpoint(Signed::sign(k, &c)),
             Outbound::Deliver(d) => MarketRequest::Deliver(Signed::sign(k, &d)),
         };
         let Some(peer) = swarm::peer_of(&to) else {

@@ -246,9 +246,16 @@ impl Node {
         // The ad offers what the executor admits: the owner's limits (within the
         // administrator's ceilings) cap what the probe found.
         let mut hardware = probe.hardware.clone();
+        let mut capacity = cannabis_market::Capacity::default();
         let (isolation, mut adapters) = match self.executor.borrow().as_deref() {
             Some(Ok(ex)) => {
                 let limits = ex.limits();
+                capacity = cannabis_market::Capacity {
+                    cpu_millicores: limits.cpu_millicores,
+                    memory_bytes: limits.memory_bytes,
+                    storage_bytes: limits.storage_bytes,
+                    gpus: limits.gpus.len() as u64,
+                };
                 // Whole cores admission gives: an owner limit of half a core is 0, never
                 // rounded up to a core the executor would then refuse.
                 let cores = u32::try_from(limits.cpu_millicores / 1000).unwrap_or(u32::MAX);
@@ -268,6 +275,14 @@ impl Node {
                 (Vec::new(), Vec::new())
             }
         };
+        // The engine's busy rule counts what the executor admits, in millicores: the ad's
+        // whole cores say less (a quarter core is 0 of them).
+        if let Err(e) = self
+            .market
+            .command(now_ms, cannabis_market::Command::Capacity(capacity))
+        {
+            debug!(error = %e, "capacity not taken");
+        }
         // Requesters' own programs only on the owner's opt-in (`[worker] custom_code`).
         adapters.retain(|a| *a == AdapterKind::Synthetic || self.config.worker.custom_code);
         let challenges = self.market.passes_for_ad(hardware.cpu_cores);

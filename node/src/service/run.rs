@@ -12,7 +12,7 @@ use cannabis_protocol::{
 };
 use cannabis_runtime::exec::{Attempt, AttemptRequest, AttemptState, ExecError, Renewal};
 use tokio::sync::mpsc;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::Command;
 use super::handle::ExecutorSlot;
@@ -25,6 +25,8 @@ use crate::exec::ExecutorHandle;
 struct Staged {
     bundle: Option<PathBuf>,
     inputs: Vec<(String, PathBuf)>,
+    /// The checkpoint the award pins for the rank to resume from.
+    resume: Option<PathBuf>,
 }
 
 /// The staging folder of a leased attempt (plaintext packages; removed when it is over).
@@ -116,10 +118,11 @@ pub(super) fn spawn(
                     RunOrder::Start {
                         request_id,
                         task: Some(task),
+                        resume,
                         ..
                     },
                     None,
-                ) if needs_packages(task) => {
+                ) if needs_packages(task) || resume.is_some() => {
                     let (ex2, id) = (ex.clone(), request_id.clone());
                     let known = tokio::task::spawn_blocking(move || attempt_for(&ex2, &id))
                         .await
@@ -170,6 +173,9 @@ pub(super) fn spawn(
                 } => Some(Delivery {
                     request_id: request_id.clone(),
                     outputs: task.as_ref().map_or(Vec::new(), |t| t.delivered_outputs()),
+                    checkpoint: task
+                        .as_ref()
+                        .and_then(|t| t.checkpoint.as_ref().map(|c| c.name.clone())),
                     requester: *requester,
                     to: *deliver_to,
                     data_dir: data_dir.clone(),
@@ -220,6 +226,7 @@ impl PackageFetch {
             task: Some(task),
             requester,
             inputs: pins,
+            resume,
             ..
         } = order
         else {
@@ -274,14 +281,28 @@ impl PackageFetch {
                 dir.join("inputs").join(&name),
             ));
         }
+        // A rank placed again resumes from the checkpoint its award pins.
+        if let (Some(pin), Some(decl)) = (resume, &task.checkpoint) {
+            wanted.push((
+                object(ObjectKind::Checkpoint, &decl.name),
+                Check {
+                    name: decl.name.clone(),
+                    digest: pin.digest,
+                    size: Some(pin.size_bytes),
+                    max: pin.size_bytes,
+                    content_rules: false,
+                },
+                dir.join("resume"),
+            ));
+        }
         let mut staged = Staged::default();
         for (object, check, out) in wanted {
             let part = dir.join(".fetch").join(format!(
                 "{}-{}.age.part",
-                if object.kind == ObjectKind::Bundle {
-                    "bundle"
-                } else {
-                    "input"
+                match object.kind {
+                    ObjectKind::Bundle => "bundle",
+                    ObjectKind::Checkpoint => "checkpoint",
+                    _ => "input",
                 },
                 object.name
             ));
@@ -315,6 +336,7 @@ impl PackageFetch {
             let _ = std::fs::remove_file(&whole);
             match object.kind {
                 ObjectKind::Bundle => staged.bundle = Some(out),
+                ObjectKind::Checkpoint => staged.resume = Some(out),
                 _ => staged.inputs.push((name, out)),
             }
         }
@@ -343,6 +365,9 @@ struct Delivery {
     corrupt: Arc<AtomicBool>,
     /// The attempt's rank, for a group's: its sandbox gets the group's interface.
     rank: Option<u32>,
+    /// The task's checkpoint file: each new copy the sandbox seals for the requester while
+    /// the attempt runs is taken into the lease's outbox, and the requester told.
+    checkpoint: Option<String>,
 }
 
 /// Reports each stage a leased attempt reaches (admitted, preparing, running, then how it
@@ -355,6 +380,8 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
     // The attempt's id once found: then it is read alone, not found among every attempt.
     let mut known: Option<String> = None;
     let mut sandboxed = false;
+    // The last checkpoint copy sealed for the requester.
+    let mut sealed_seq = 0u64;
     loop {
         let (ex2, id, known2) = (ex.clone(), request_id.clone(), known.clone());
         let found = tokio::task::spawn_blocking(move || match known2 {
@@ -405,6 +432,37 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
                 return;
             }
         }
+        if stage == RunStage::Running
+            && let Some(name) = &d.checkpoint
+        {
+            let (ex2, id, name) = (ex.clone(), attempt.id.clone(), name.clone());
+            let (data_dir, req, last) = (d.data_dir.clone(), request_id.clone(), sealed_seq);
+            let sealed = tokio::task::spawn_blocking(move || {
+                take_new_checkpoint(&ex2, &data_dir, &req, &id, last, &name)
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+            match sealed {
+                Ok(None) => {}
+                Ok(Some((seq, checkpoint))) => {
+                    sealed_seq = seq;
+                    let told = node
+                        .send(Command::CheckpointSealed {
+                            request_id: request_id.clone(),
+                            seq,
+                            checkpoint,
+                        })
+                        .await;
+                    if told.is_err() {
+                        return;
+                    }
+                }
+                Err(why) => {
+                    // Tried again at the next look; the one sealed before stays.
+                    debug!(%request_id, reason = %why, "checkpoint not sealed");
+                }
+            }
+        }
         if stage.is_final() {
             // The packages' plaintext goes with the attempt.
             let _ = std::fs::remove_dir_all(staging_dir(&d.data_dir, &request_id));
@@ -433,6 +491,30 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(WATCH_EVERY);
     }
+}
+
+/// The executor's newest sealed copy of a running attempt's checkpoint, taken into the
+/// lease's outbox if it is newer than copy `last`: its number and digests. Blocking.
+fn take_new_checkpoint(
+    ex: &ExecutorHandle,
+    data_dir: &std::path::Path,
+    request_id: &str,
+    attempt: &str,
+    last: u64,
+    name: &str,
+) -> Result<Option<(u64, cannabis_protocol::OutputDigest)>, String> {
+    // Missing until the first copy: nothing to take yet.
+    let Ok(latest) = ex.read_output(attempt, "checkpoint/latest", 0, 4096) else {
+        return Ok(None);
+    };
+    let copy: cannabis_runtime::sandbox::CheckpointCopy =
+        serde_json::from_slice(&latest.data).map_err(|e| format!("checkpoint/latest: {e}"))?;
+    if copy.seq <= last {
+        return Ok(None);
+    }
+    let checkpoint =
+        crate::delivery::take_checkpoint(data_dir, ex, request_id, attempt, &copy, name)?;
+    Ok(Some((copy.seq, checkpoint)))
 }
 
 /// Seals a completed attempt's outputs; the node is then told what to deliver.
@@ -501,6 +583,7 @@ fn carry_out(ex: &ExecutorHandle, order: RunOrder, packages: Option<Staged>) {
             seed,
             until,
             group,
+            deliver_to,
             ..
         } => match attempt_for(ex, request_id) {
             // The executor has it (a restart, an award seen again): it never runs twice.
@@ -522,6 +605,8 @@ fn carry_out(ex: &ExecutorHandle, order: RunOrder, packages: Option<Staged>) {
                         request_id: request_id.clone(),
                         task: (**task).clone(),
                         bundle: packages.as_ref().and_then(|p| p.bundle.clone()),
+                        resume: packages.as_ref().and_then(|p| p.resume.clone()),
+                        checkpoint_to: deliver_to.map(|to| to.to_string()),
                         inputs: packages.map(|p| p.inputs).unwrap_or_default(),
                         seed: synthetic.then_some(*seed),
                         lease_until_ms: until.0,

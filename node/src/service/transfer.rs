@@ -8,7 +8,8 @@ use std::time::Duration;
 use cannabis_market::Command as MarketCommand;
 use cannabis_market::job::{LeaseState, ProductVerdict};
 use cannabis_protocol::{
-    DeliveryManifest, ObjectKind, ObjectRef, Signed, TaskInput, TransferRequest, TransferResponse,
+    CheckpointNote, DeliveryManifest, ObjectKind, ObjectRef, Signed, TaskInput, TransferRequest,
+    TransferResponse,
 };
 use libp2p::PeerId;
 use libp2p::request_response::{Event, Message, ResponseChannel};
@@ -23,6 +24,19 @@ use cannabis_api as api;
 /// How long a fetch keeps trying a worker that cannot be reached before the rank counts
 /// as failed (and is placed again).
 const FETCH_PATIENCE: Duration = Duration::from_secs(120);
+
+/// How long a checkpoint's fetch keeps trying its worker; then the one kept before stays.
+const CHECKPOINT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// What a transfer request is answered from.
+enum Serve {
+    /// A worker's sealed output, for the requester of its delivery.
+    Output,
+    /// A worker's sealed checkpoint, for the requester of its lease.
+    Checkpoint,
+    /// A requester's package, for the worker a rank is awarded to.
+    Package(delivery::PackageServe),
+}
 
 /// Most transfer requests of one peer answered at once. A fetch keeps 16 chunks in
 /// flight; this allows several fetches of one requester from one worker at once, and caps
@@ -116,17 +130,22 @@ impl Node {
         };
         // What a peer may ask for is decided here, from memory: nothing is read from disk
         // for a peer that holds no lease here (packages) or granted none (outputs).
-        let package = match request.object.kind {
-            ObjectKind::Output => match self.delivery_for(&from, &request.object) {
-                Ok(()) => None,
-                Err(why) => return self.answer_transfer(channel, refuse(&why)),
-            },
-            ObjectKind::Bundle | ObjectKind::Input => {
-                match self.package_for(&from, &request.object) {
-                    Ok(p) => Some(p),
-                    Err(why) => return self.answer_transfer(channel, refuse(&why)),
-                }
+        let o = &request.object;
+        // A checkpoint goes both ways: a requester serves one of its jobs' to the rank's
+        // next worker; a worker serves its lease's to that lease's requester.
+        let mine = self.market.job(&o.job_id).is_some();
+        let serve = match o.kind {
+            ObjectKind::Output => self.delivery_for(&from, o).map(|()| Serve::Output),
+            ObjectKind::Checkpoint if !mine => {
+                self.delivery_for(&from, o).map(|()| Serve::Checkpoint)
             }
+            ObjectKind::Bundle | ObjectKind::Input | ObjectKind::Checkpoint => {
+                self.package_for(&from, o).map(Serve::Package)
+            }
+        };
+        let serve = match serve {
+            Ok(s) => s,
+            Err(why) => return self.answer_transfer(channel, refuse(&why)),
         };
         let in_flight = self.serving.entry(peer).or_default();
         if *in_flight >= MAX_SERVING_PER_PEER {
@@ -139,9 +158,12 @@ impl Node {
         let lock = self.sealing.clone();
         let trees = self.trees.clone();
         tokio::spawn(async move {
-            let response = tokio::task::spawn_blocking(move || match package {
-                None => delivery::serve(&data_dir, &from, &request, &trees),
-                Some(p) => delivery::serve_package(&data_dir, &p, &request, &lock, &trees),
+            let response = tokio::task::spawn_blocking(move || match serve {
+                Serve::Output => delivery::serve(&data_dir, &from, &request, &trees),
+                Serve::Checkpoint => delivery::serve_checkpoint(&data_dir, &request, &trees),
+                Serve::Package(p) => {
+                    delivery::serve_package(&data_dir, &p, &request, &lock, &trees)
+                }
             })
             .await
             .unwrap_or_else(|e| TransferResponse::Refused {
@@ -206,12 +228,12 @@ impl Node {
                     && a.epoch == o.epoch
                     && matches!(a.state, LeaseState::Offered | LeaseState::Current)
             });
-        if holder.is_none() {
+        let Some(holder) = holder else {
             return Err(format!(
                 "you hold no lease on task {} rank {} at epoch {}",
                 o.task, o.rank, o.epoch
             ));
-        }
+        };
         let (source, digest) = match o.kind {
             ObjectKind::Bundle if o.name == "bundle" => (
                 delivery::package_path(&self.data_dir, &spec.workload.digest),
@@ -242,6 +264,24 @@ impl Node {
                     }
                 }
             }
+            ObjectKind::Checkpoint
+                if spec.checkpoint.as_ref().is_some_and(|c| c.name == o.name) =>
+            {
+                let pin = holder
+                    .resume
+                    .as_ref()
+                    .ok_or("your award pins no checkpoint to resume from")?;
+                (
+                    delivery::checkpoint_path(
+                        &self.data_dir,
+                        &o.job_id,
+                        o.task,
+                        o.rank,
+                        &pin.digest,
+                    ),
+                    pin.digest,
+                )
+            }
             _ => return Err("no such package".into()),
         };
         if !source.exists() {
@@ -262,6 +302,114 @@ impl Node {
             digest,
             to,
         })
+    }
+
+    /// The engine asks for a rank's checkpoint: one fetch per rank at a time; a note that
+    /// comes meanwhile waits for it, replacing any note that waited before (only the
+    /// newest checkpoint is worth having).
+    pub(super) fn start_checkpoint_fetch(&mut self, note: Box<CheckpointNote>) {
+        let key = (note.job_id, note.task, note.rank);
+        if let Some(next) = self.checkpoint_fetching.get_mut(&key) {
+            *next = Some(note);
+            return;
+        }
+        let Some(peer) = swarm::peer_of(&note.worker) else {
+            return;
+        };
+        self.checkpoint_fetching.insert(key, None);
+        let data_dir = self.data_dir.clone();
+        let identity = self.keys.delivery.clone();
+        let tell = self.self_tx.clone();
+        tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut pause = Duration::from_millis(500);
+            let result = loop {
+                let ask = |request| ask_peer(tell.clone(), peer, request);
+                match delivery::fetch_checkpoint(&data_dir, &identity, &note, ask).await {
+                    Ok(_) => break Ok(()),
+                    Err(FetchError::Bad(why)) => break Err(why),
+                    Err(FetchError::Transient(why)) if started.elapsed() >= CHECKPOINT_PATIENCE => {
+                        break Err(format!(
+                            "not fetched in {} s: {why}",
+                            CHECKPOINT_PATIENCE.as_secs()
+                        ));
+                    }
+                    Err(FetchError::Transient(_)) => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(4));
+                    }
+                }
+            };
+            let _ = tell.send(Command::CheckpointFetched(note, result)).await;
+        });
+    }
+
+    /// A checkpoint fetch ended: a checked one is kept by the engine (and the rank's older
+    /// files that no award pins are removed); then the note that waited, if any, is
+    /// fetched.
+    pub(super) fn checkpoint_fetched(&mut self, note: CheckpointNote, result: Result<(), String>) {
+        let key = (note.job_id, note.task, note.rank);
+        let next = self.checkpoint_fetching.remove(&key).flatten();
+        match result {
+            Ok(()) => {
+                let c = &note.checkpoint;
+                let kept = MarketCommand::CheckpointKept {
+                    job: note.job_id,
+                    task: note.task,
+                    rank: note.rank,
+                    epoch: note.epoch,
+                    seq: note.seq,
+                    digest: c.digest,
+                    size_bytes: c.size_bytes,
+                };
+                match self.market.command(now().0, kept) {
+                    Ok(_) => {
+                        info!(job = %note.job_id, task = note.task, rank = note.rank, epoch = note.epoch, seq = note.seq, bytes = c.size_bytes, "checkpoint kept");
+                    }
+                    Err(e) => debug!(error = %e, "checkpoint not kept"),
+                }
+                self.prune_checkpoints(note.job_id, note.task, note.rank);
+                self.drain();
+            }
+            Err(why) => {
+                debug!(job = %note.job_id, task = note.task, rank = note.rank, seq = note.seq, reason = %why, "checkpoint not fetched; the one kept before stays");
+            }
+        }
+        if let Some(next) = next {
+            self.start_checkpoint_fetch(next);
+        }
+    }
+
+    /// Removes a rank's checkpoint files other than the one kept and the one its current
+    /// award pins.
+    fn prune_checkpoints(&self, job: cannabis_protocol::Uuid, task: u32, rank: u32) {
+        let Some(j) = self.market.job(&job) else {
+            return;
+        };
+        let Some(t) = j.tasks().get(task as usize) else {
+            return;
+        };
+        let mut keep: Vec<String> = t
+            .checkpoints()
+            .get(&rank)
+            .map(|k| k.digest.to_string())
+            .into_iter()
+            .collect();
+        keep.extend(
+            t.ranks()
+                .iter()
+                .filter(|a| a.rank == rank)
+                .filter_map(|a| a.resume.as_ref().map(|r| r.digest.to_string())),
+        );
+        let dir = delivery::checkpoint_dir(&self.data_dir, &job, task, rank);
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !name.starts_with('.') && !keep.contains(&name) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
     }
 
     pub(super) fn answer_transfer(

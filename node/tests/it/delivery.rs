@@ -327,6 +327,148 @@ fn wait_job(
     }
 }
 
+/// SIGKILLs the testnet's node with market address `address`; returns its data dir and
+/// the command line it was started with.
+fn kill_node(
+    net: &Testnet,
+    address: &cannabis_protocol::Address,
+) -> (std::path::PathBuf, Vec<String>) {
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(net.dir.join("testnet.json")).unwrap())
+            .unwrap();
+    let (dir, pid) = record["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                std::path::PathBuf::from(n["data_dir"].as_str().unwrap()),
+                n["pid"].as_u64().unwrap() as i32,
+            )
+        })
+        .find(|(d, _)| {
+            ApiClient::from_data_dir(d)
+                .and_then(|c| c.status())
+                .is_ok_and(|s| s.address == address.to_string())
+        })
+        .expect("the worker is a node of the testnet");
+    let cmdline: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap()
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    (dir, cmdline)
+}
+
+#[test]
+fn a_rank_whose_worker_is_killed_resumes_on_the_next_from_the_checkpoint_it_sent() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: requesters' programs run only where the executor is root");
+        return;
+    }
+    let dir = super::exec::open_dir();
+    let net = Testnet::up(&dir.path().join("net"), 3);
+    let nodes = net.nodes();
+    let requester = &nodes[0];
+    let work = dir.path().join("job");
+    std::fs::create_dir_all(&work).unwrap();
+    // Counts to 20, a second a step, keeping the count in its checkpoint (written aside
+    // and renamed into place); a run placed again goes on from the count it finds.
+    tar(
+        &work,
+        &[(
+            "count.sh",
+            r#"n=0
+if [ -f "$CANNABIS_WORK/count" ]; then n=$(cat "$CANNABIS_WORK/count"); echo "resumed at $n" >> "$CANNABIS_WORK/out.txt"; fi
+while [ "$n" -lt 20 ]; do
+  n=$((n + 1))
+  echo "$n" > "$CANNABIS_WORK/.count"; mv "$CANNABIS_WORK/.count" "$CANNABIS_WORK/count"
+  sleep 1
+done
+echo "counted to $n" >> "$CANNABIS_WORK/out.txt"
+"#,
+        )],
+    );
+    std::fs::write(
+        work.join("job.toml"),
+        r#"
+name = "count"
+budget = 300_000
+deadline = "10m"
+bid_window = "2s"
+[[task]]
+name = "count"
+checkpoint = { name = "count", max_size = "1KiB" }
+[task.workload]
+adapter = "process"
+bundle = "bundle.tar"
+entrypoint = ["sh", "count.sh"]
+[task.resources]
+cpu = 1
+memory = "128MiB"
+storage = "8MiB"
+[[task.outputs]]
+name = "out.txt"
+max_size = "1KiB"
+"#,
+    )
+    .unwrap();
+    super::testnet::wait_for_workers(requester, 3);
+    let id = super::settle::submit_file(requester, &work.join("job.toml"));
+    // The requester keeps a checkpoint of the running rank (a count of a few at least).
+    let kept = wait_job(requester, &id, "a checkpoint kept", 90, |j| {
+        j.tasks[0].checkpoints.get(&0).is_some_and(|c| c.seq >= 3)
+    });
+    let first = kept.tasks[0].ranks[0].clone();
+    assert_eq!(first.epoch, 1);
+    let (_, cmdline) = kill_node(&net, &first.worker);
+    let replaced = wait_job(requester, &id, "the task to be placed again", 150, |j| {
+        j.tasks[0].ranks.first().is_some_and(|r| r.epoch >= 2)
+    });
+    let again = &replaced.tasks[0].ranks[0];
+    assert_ne!(again.worker, first.worker);
+    let pinned = again
+        .resume
+        .clone()
+        .expect("the award pins the checkpoint kept");
+    let held = &replaced.tasks[0].checkpoints[&0];
+    assert_eq!(pinned.digest, held.digest);
+    let done = wait_job(requester, &id, "the job to complete", 120, |j| {
+        j.summary.state != cannabis_market::job::JobState::Open
+    });
+    assert_eq!(
+        done.summary.state,
+        cannabis_market::job::JobState::Completed,
+        "{:#?}",
+        done.history
+    );
+    // The delivered output says where the rank went on from: the count its checkpoint held.
+    let out = std::fs::read_to_string(
+        requester
+            .join("results")
+            .join(&id)
+            .join("0")
+            .join("0")
+            .join("out.txt"),
+    )
+    .unwrap();
+    let resumed: u32 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("resumed at "))
+        .unwrap_or_else(|| panic!("not resumed: {out}"))
+        .parse()
+        .unwrap();
+    assert!(resumed >= 3, "{out}");
+    assert!(out.ends_with("counted to 20\n"), "{out}");
+    drop(cmdline);
+}
+
 #[test]
 fn a_worker_killed_mid_run_is_replaced_and_after_a_restart_neither_runs_nor_delivers_its_stale_epoch()
  {
@@ -385,36 +527,7 @@ max_size = "1KiB"
     assert_eq!(first.epoch, 1);
 
     // SIGKILL the worker in the middle of the run, keeping how it was started.
-    let record: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(net.dir.join("testnet.json")).unwrap())
-            .unwrap();
-    let (worker_dir, pid) = record["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| {
-            (
-                std::path::PathBuf::from(n["data_dir"].as_str().unwrap()),
-                n["pid"].as_u64().unwrap() as i32,
-            )
-        })
-        .find(|(d, _)| {
-            ApiClient::from_data_dir(d)
-                .and_then(|c| c.status())
-                .is_ok_and(|s| s.address == first.worker.to_string())
-        })
-        .expect("the worker is a node of the testnet");
-    let cmdline: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .unwrap()
-        .split(|&b| b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    let (worker_dir, cmdline) = kill_node(&net, &first.worker);
 
     // Its lease lapses; the task is placed again, with a new epoch, on another worker.
     let replaced = wait_job(requester, &id, "the task to be placed again", 150, |j| {

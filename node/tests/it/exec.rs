@@ -85,6 +85,7 @@ fn task(adapter: AdapterKind, entrypoint: &[&str]) -> TaskSpec {
         group_size: 1,
         depends_on: Vec::new(),
         budget: Amount(0),
+        checkpoint: None,
     }
 }
 
@@ -121,6 +122,8 @@ fn request(id: &str, task: TaskSpec, bundle: Option<PathBuf>) -> AttemptRequest 
         env: Vec::new(),
         loopback: false,
         hold: false,
+        resume: None,
+        checkpoint_to: None,
     }
 }
 
@@ -136,6 +139,10 @@ fn read_all(ex: &Executor, id: &str, name: &str) -> String {
 }
 
 fn try_read_all(ex: &Executor, id: &str, name: &str) -> Result<String, String> {
+    try_read_bytes(ex, id, name).map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+fn try_read_bytes(ex: &Executor, id: &str, name: &str) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
     let mut offset = 0;
     loop {
@@ -145,7 +152,7 @@ fn try_read_all(ex: &Executor, id: &str, name: &str) -> Result<String, String> {
         out.extend_from_slice(&c.data);
         offset = c.next_offset;
         if c.data.is_empty() {
-            return Ok(String::from_utf8_lossy(&out).into_owned());
+            return Ok(out);
         }
     }
 }
@@ -831,6 +838,90 @@ fn output_reads_resume_at_offsets_and_refuse_everything_undeclared() {
         "{a:#?}"
     );
     assert!(s.ex.read_output(&a.id, "link", 0, 10).is_err());
+}
+
+#[test]
+fn a_checkpoint_is_copied_out_each_time_it_changes_and_a_resumed_run_finds_it() {
+    let s = setup();
+    // Writes its state aside and renames it into place, as a checkpoint must be written.
+    let script = r#"
+if [ -f "$CANNABIS_WORK/state" ]; then echo "resumed at $(cat "$CANNABIS_WORK/state")"; fi
+for n in 1 2; do
+  echo "step $n" > "$CANNABIS_WORK/.state"; mv "$CANNABIS_WORK/.state" "$CANNABIS_WORK/state"
+  sleep 1.5
+done
+sleep 2
+"#;
+    let checkpoint = OutputDecl {
+        name: "state".into(),
+        max_bytes: 1000,
+        rights: OutputRights::Exclusive,
+    };
+    let requester = cannabis_protocol::DeliveryIdentity::from_secret([9; 32]);
+    let mut req = script_request(s.dir.path(), "ckpt", script);
+    req.task.checkpoint = Some(checkpoint.clone());
+    req.checkpoint_to = Some(requester.recipient().to_string());
+    let a = s.ex.submit(req).unwrap();
+    // Each copy is sealed to the requester as it is read: only its key opens it.
+    let open = |sealed: &[u8]| -> Vec<u8> {
+        use std::io::Read as _;
+        use std::str::FromStr as _;
+        let id = age::x25519::Identity::from_str(&requester.to_age_string()).unwrap();
+        let d = age::Decryptor::new(sealed).unwrap();
+        let mut r = d
+            .decrypt(std::iter::once(&id as &dyn age::Identity))
+            .unwrap();
+        let mut out = Vec::new();
+        r.read_to_end(&mut out).unwrap();
+        out
+    };
+    // While it runs, the newest copy is named by checkpoint/latest; the one before it
+    // is removed once a newer one is sealed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (copy, data) = loop {
+        if let Ok(text) = try_read_all(&s.ex, &a.id, "checkpoint/latest") {
+            let copy: cannabis_runtime::sandbox::CheckpointCopy =
+                serde_json::from_str(&text).unwrap();
+            if let Ok(sealed) = try_read_bytes(&s.ex, &a.id, &format!("checkpoint/{}", copy.seq)) {
+                assert!(!sealed.windows(6).any(|w| w == b"step 1"), "sealed");
+                let data = open(&sealed);
+                if data == b"step 2\n" {
+                    break (copy, data);
+                }
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no copy of step 2");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(copy.seq >= 2, "{copy:?}");
+    assert_eq!(copy.size, data.len() as u64);
+    assert_eq!(copy.sha256, Digest::of(&data).to_string());
+    assert!(try_read_all(&s.ex, &a.id, &format!("checkpoint/{}", copy.seq - 1)).is_err());
+    let a = s.ex.wait(&a.id, Duration::from_secs(30)).unwrap();
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?}");
+    // Its copies go with the attempt's other working files once it is over.
+    let e = s.ex.read_output(&a.id, "checkpoint/latest", 0, 10);
+    assert!(e.is_err(), "{e:?}");
+
+    // Placed again: the checkpoint it resumes from is in its work directory.
+    let kept = s.dir.path().join("kept-state");
+    std::fs::write(&kept, "2").unwrap();
+    let mut req = script_request(s.dir.path(), "ckpt-resumed", script);
+    req.task.checkpoint = Some(checkpoint);
+    req.resume = Some(kept.clone());
+    let a = run(&s.ex, req);
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?}");
+    let out = read_all(&s.ex, &a.id, "stdout");
+    assert!(out.starts_with("resumed at 2\n"), "{out}");
+    // A checkpoint to resume from, for a task that declares none, is refused.
+    let mut req = script_request(s.dir.path(), "ckpt-none", script);
+    req.resume = Some(kept);
+    let a = s.ex.submit(req).unwrap();
+    assert!(a.refused, "{a:#?}");
+    assert!(
+        a.reason.as_deref().unwrap_or("").contains("declares none"),
+        "{a:#?}"
+    );
 }
 
 #[test]

@@ -145,6 +145,7 @@ fn submit(dir: &Path, id: &str, script: &str) -> Attempt {
             group_size: 1,
             depends_on: Vec::new(),
             budget: Amount(0),
+            checkpoint: None,
         },
         bundle: Some(tar),
         inputs: Vec::new(),
@@ -154,6 +155,8 @@ fn submit(dir: &Path, id: &str, script: &str) -> Attempt {
         env: Vec::new(),
         loopback: false,
         hold: false,
+        resume: None,
+        checkpoint_to: None,
     };
     client(dir).post("/v1/exec/attempts", &request).unwrap()
 }

@@ -55,6 +55,32 @@ pub struct DeliveryManifest {
     pub issued_at: Timestamp,
 }
 
+/// A worker's signed note that a rank's checkpoint changed: the requester fetches it
+/// (an `ObjectKind::Checkpoint` named by `seq`) and keeps it for the rank's next epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct CheckpointNote {
+    /// The job.
+    pub job_id: Uuid,
+    /// Index of the task.
+    pub task: u32,
+    /// The rank whose checkpoint it is.
+    pub rank: u32,
+    /// The lease's epoch.
+    pub epoch: u64,
+    /// The worker; must be the signer.
+    pub worker: Address,
+    /// The requester it is encrypted to.
+    pub requester: Address,
+    /// Counts the checkpoints of this attempt from 1; a later one replaces an earlier.
+    pub seq: u64,
+    /// The checkpoint: named as the task declares it, its plaintext's digest and size,
+    /// and its age file's size and Merkle root.
+    pub checkpoint: OutputDigest,
+    /// When sent.
+    pub issued_at: Timestamp,
+}
+
 /// Digest of one declared output.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
@@ -148,6 +174,23 @@ pub struct MetricValue {
 }
 
 wire!(DeliveryManifest, "delivery manifest", 64 * 1024);
+wire!(CheckpointNote, "checkpoint note", 1024);
+
+impl Message for CheckpointNote {
+    const DOMAIN: &'static str = "cannabis/checkpoint-note/v1";
+    fn claimed_signer(&self) -> Option<&Address> {
+        Some(&self.worker)
+    }
+    fn validate(&self) -> Result<(), Invalid> {
+        if !super::is_safe_name(&self.checkpoint.name) {
+            return Err(Invalid::new("checkpoint.name", "not a plain file name"));
+        }
+        if self.seq == 0 {
+            return Err(Invalid::new("seq", "counts from 1"));
+        }
+        Ok(())
+    }
+}
 
 impl Message for DeliveryManifest {
     const DOMAIN: &'static str = "cannabis/delivery-manifest/v1";

@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Award, Bid, Block, Cancel, CapabilityAd, ChallengePass, Decline, DeliveryManifest, JobOffer,
-    LeaseAccept, LeaseRenewal, RunReport, Transaction, wire,
+    Award, Bid, Block, Cancel, CapabilityAd, ChallengePass, CheckpointNote, Decline,
+    DeliveryManifest, JobOffer, LeaseAccept, LeaseRenewal, RunReport, Transaction, wire,
 };
 use crate::{Address, Digest, Signed, Uuid};
 
@@ -31,6 +31,9 @@ pub enum MarketRequest {
     /// A rank's signed delivery: its outputs' digests and where they came from, from the
     /// worker to the requester, who then fetches the outputs on the transfer protocol.
     Deliver(Signed<DeliveryManifest>),
+    /// A rank's checkpoint changed, from the worker to the requester, who then fetches it
+    /// on the transfer protocol.
+    Checkpoint(Signed<CheckpointNote>),
     /// A capability challenge pass, from the verifier to the worker that earned it.
     ChallengePass(Signed<ChallengePass>),
     /// A round-trip probe; answered with the same nonce.

@@ -80,6 +80,22 @@ pub struct Award {
     /// The digests of the inputs that are outputs of earlier tasks, by the input's name,
     /// pinned from what those tasks delivered.
     pub inputs: Vec<super::NamedDigest>,
+    /// The rank's latest checkpoint the requester holds (from an earlier epoch of this
+    /// assignment), which the worker fetches and puts in the work directory under the
+    /// task's `checkpoint` name before the workload starts. Left out of the encoding when
+    /// `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Resume>,
+}
+
+/// A checkpoint a rank resumes from, pinned by the award.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(proptest_derive::Arbitrary))]
+pub struct Resume {
+    /// SHA-256 of the checkpoint's plaintext.
+    pub digest: Digest,
+    /// Its size in bytes.
+    pub size_bytes: u64,
 }
 
 /// The private rendezvous of a group: its id and who holds each rank.

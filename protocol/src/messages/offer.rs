@@ -122,6 +122,11 @@ pub struct TaskSpec {
     /// of the encoding when 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub restarts: u32,
+    /// A file each rank keeps its progress in, in its work directory, which the worker
+    /// sends the requester, encrypted, whenever it changes, and which a rank placed again
+    /// (on any worker) finds where it left it. Left out of the encoding when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<OutputDecl>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -392,6 +397,30 @@ impl JobOffer {
             "tasks.outputs.name",
             task.outputs.iter().map(|o| o.name.as_str()),
         )?;
+        if let Some(c) = &task.checkpoint {
+            if !is_safe_name(&c.name) {
+                return Err(Invalid::new(
+                    "tasks.checkpoint.name",
+                    "not a plain file name",
+                ));
+            }
+            let clash = task
+                .outputs
+                .iter()
+                .map(|o| o.name.as_str())
+                .chain(task.inputs.iter().map(|i| match i {
+                    TaskInput::Staged(r) => r.name.as_str(),
+                    TaskInput::FromTask { name, .. } => name.as_str(),
+                }));
+            for name in clash {
+                if name == c.name {
+                    return Err(Invalid::new(
+                        "tasks.checkpoint.name",
+                        format!("{name:?} names an output or an input of the task"),
+                    ));
+                }
+            }
+        }
         check_unique(
             "tasks.inputs.name",
             task.inputs.iter().map(|i| match i {

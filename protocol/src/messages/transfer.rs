@@ -28,6 +28,11 @@ pub enum ObjectKind {
     /// An input of the task (staged, or an earlier task's output), by its file name, as
     /// an age file to the worker; served like the bundle.
     Input,
+    /// A rank's checkpoint: served by the worker to the requester, named by the
+    /// [`crate::CheckpointNote`]'s `seq` in decimal, as an age file to the requester; and
+    /// by the requester to the worker an award with a `resume` names, named as the task
+    /// declares it, as an age file to the worker.
+    Checkpoint,
 }
 
 /// One object of one lease.

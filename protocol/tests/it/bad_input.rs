@@ -308,6 +308,7 @@ fn task(name: &str, budget: u64) -> TaskSpec {
         group_size: 1,
         depends_on: Vec::new(),
         budget: Amount(budget),
+        checkpoint: None,
     }
 }
 
@@ -430,6 +431,7 @@ fn awards_for_groups_list_the_worker_at_its_rank() {
             roster,
         }),
         inputs: Vec::new(),
+        resume: None,
     };
     assert!(
         Signed::sign(&requester, &award(1, workers[1], roster.clone()))

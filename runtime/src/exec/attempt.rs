@@ -43,6 +43,14 @@ pub struct AttemptRequest {
     /// never starts.
     #[serde(default)]
     pub hold: bool,
+    /// A local file holding the checkpoint to resume from (a rank placed again): put in
+    /// the work directory under the task's checkpoint name before the command starts.
+    #[serde(default)]
+    pub resume: Option<PathBuf>,
+    /// The age recipient (`age1...`) the sandbox seals each copy of the task's checkpoint
+    /// to while it runs; `None`: no copies are taken.
+    #[serde(default)]
+    pub checkpoint_to: Option<String>,
 }
 
 /// Who keeps an attempt's lease current.
@@ -328,6 +336,8 @@ pub(crate) mod tests {
                 env: Vec::new(),
                 loopback: false,
                 hold: false,
+                resume: None,
+                checkpoint_to: None,
             },
             state: AttemptState::Reserved,
             refused: false,

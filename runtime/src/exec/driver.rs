@@ -124,6 +124,15 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
     if let Some(b) = &request.bundle {
         needed += fs::metadata(b).map(|m| m.len()).unwrap_or(0) * 2;
     }
+    // Two sealed copies of the checkpoint at most (the newest, and one being sealed), and
+    // the one it resumes from.
+    if let Some(c) = &request.task.checkpoint {
+        let cap = c.max_bytes.min(request.task.resources.storage_bytes);
+        needed += cannabis_protocol::max_cipher_size(cap) * 2;
+    }
+    if let Some(r) = &request.resume {
+        needed += fs::metadata(r).map(|m| m.len()).unwrap_or(0);
+    }
     let free = nix::sys::statvfs::statvfs(&dir)
         .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
         .map_err(|e| format!("checking free disk: {e}"))?;
@@ -158,6 +167,10 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
                 r.digest, r.size_bytes
             ));
         }
+    }
+    if let Some(resume) = &request.resume {
+        copy_hashed(resume, &dir.join(files::RESUME))
+            .map_err(|e| format!("staging the checkpoint to resume from: {e}"))?;
     }
     if let Some(uid) = as_uid {
         chown_tree(&dir, uid)
@@ -222,6 +235,15 @@ fn prepare_and_start(inner: &Inner, a: &Attempt) -> Result<(), String> {
         program: inner.cfg.program.clone(),
         devices,
         loopback: request.loopback,
+        checkpoint: request
+            .task
+            .checkpoint
+            .as_ref()
+            .map(|c| sandbox::CheckpointSpec {
+                name: c.name.clone(),
+                cap: c.max_bytes.min(reservation.storage_bytes),
+                to: request.checkpoint_to.clone(),
+            }),
     };
     // The cgroups are made while the zygote hands out the monitor; the monitor starts
     // nothing before it is inside them.
@@ -593,16 +615,24 @@ pub(super) fn make_attempt_dir(dir: &Path, uid: Option<u32>) -> Result<(), Strin
 }
 
 /// Removes what the attempt used for work (staged inputs, the bundle, the root mount
-/// point); keeps the logs, `exit.json` and the copied outputs.
+/// point, the checkpoint's copies and the one it resumed from); keeps the logs, `exit.json` and the copied outputs.
 pub(super) fn remove_storage(dir: &Path) -> io::Result<()> {
-    for sub in [files::INPUTS, files::BUNDLE, files::ROOT] {
+    for sub in [
+        files::INPUTS,
+        files::BUNDLE,
+        files::ROOT,
+        files::CHECKPOINTS,
+    ] {
         match fs::remove_dir_all(dir.join(sub)) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    match fs::remove_file(dir.join(files::RESUME)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
 }
 
 fn chown_tree(path: &Path, uid: u32) -> io::Result<()> {

@@ -75,9 +75,28 @@ pub(crate) fn read(
     offset: u64,
     max: u64,
 ) -> Result<Chunk, OutputError> {
+    // A checkpoint's copy is whole once it has its name: it ends where the file does.
+    let mut whole = false;
+    let checkpoint = attempt.request.task.checkpoint.is_some();
     let rel = match name {
         "stdout" => files::STDOUT.to_string(),
         "stderr" => files::STDERR.to_string(),
+        "checkpoint/latest" if checkpoint => {
+            whole = true;
+            format!("{}/latest.json", files::CHECKPOINTS)
+        }
+        _ if checkpoint
+            && name.strip_prefix("checkpoint/").is_some_and(|n| {
+                !n.is_empty() && n.len() <= 20 && n.bytes().all(|b| b.is_ascii_digit())
+            }) =>
+        {
+            whole = true;
+            format!(
+                "{}/{}.age",
+                files::CHECKPOINTS,
+                &name["checkpoint/".len()..]
+            )
+        }
         _ if declared.iter().any(|d| d == name) => format!("{}/{name}", files::OUTPUTS),
         _ => return Err(OutputError::Undeclared(name.to_string())),
     };
@@ -113,6 +132,6 @@ pub(crate) fn read(
         data,
         next_offset,
         size,
-        eof: next_offset >= size && attempt.state.is_final(),
+        eof: next_offset >= size && (whole || attempt.state.is_final()),
     })
 }

@@ -233,6 +233,10 @@ fn monitor(
     let mut status = None;
     let mut drain_until: Option<Instant> = None;
     let mut log_buf = vec![0u8; 64 * 1024];
+    let mut checkpoints = spec
+        .checkpoint
+        .as_ref()
+        .and_then(|c| Checkpoints::new(dir, c));
     loop {
         let now = Instant::now();
         let wake = drain_until.unwrap_or(next_lease_check);
@@ -268,6 +272,9 @@ fn monitor(
             if lease_expired(dir) && ended_by.is_none() {
                 ended_by = Some("lease expired".into());
                 let _ = kill(init, Signal::SIGKILL);
+            }
+            if let Some(c) = checkpoints.as_mut() {
+                c.poll(&work);
             }
         }
     }
@@ -426,6 +433,139 @@ fn wait_for(pid: Pid) -> Option<WaitStatus> {
             Ok(WaitStatus::StillAlive) => {}
             other => return other.ok(),
         }
+    }
+}
+
+/// How often the monitor looks at the checkpoint file, and the least time between two
+/// copies of it (a program that rewrites it constantly is copied this often, not more).
+const CHECKPOINT_LOOK: Duration = Duration::from_secs(1);
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+
+/// Seals the task's checkpoint file each time it changes while the command runs: the
+/// file, opened beneath the work directory (no symbolic link followed), is encrypted with
+/// age to the requester's recipient into `checkpoints/<seq>.age` as it is read, so its
+/// plaintext never leaves the sandbox's memory-backed work directory; then
+/// `checkpoints/latest.json` (written aside and renamed) names it with the plaintext's
+/// size and SHA-256, and the copy before is removed. A file that changes while it is read
+/// is sealed again at the next look; one that is not a regular file of one link within
+/// its cap is left alone. A program writes its checkpoint aside and renames it into place,
+/// so that no copy sees half of one.
+struct Checkpoints {
+    dir: PathBuf,
+    name: String,
+    cap: u64,
+    to: age::x25519::Recipient,
+    /// Inode, size and modification time of the file last sealed.
+    last: Option<(u64, u64, i64, i64)>,
+    seq: u64,
+    next_look: Instant,
+}
+
+impl Checkpoints {
+    fn new(attempt_dir: &Path, c: &super::CheckpointSpec) -> Option<Self> {
+        let to = c.to.as_deref()?.parse::<age::x25519::Recipient>().ok()?;
+        Some(Self {
+            dir: attempt_dir.join(files::CHECKPOINTS),
+            name: c.name.clone(),
+            cap: c.cap,
+            to,
+            last: None,
+            seq: 0,
+            next_look: Instant::now() + CHECKPOINT_LOOK,
+        })
+    }
+
+    fn poll(&mut self, work: &OwnedFd) {
+        let now = Instant::now();
+        if now < self.next_look {
+            return;
+        }
+        self.next_look = now + CHECKPOINT_LOOK;
+        let Ok(st) = nix::sys::stat::fstatat(
+            work,
+            self.name.as_str(),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        ) else {
+            return;
+        };
+        let seen = (st.st_ino, st.st_size as u64, st.st_mtime, st.st_mtime_nsec);
+        if self.last == Some(seen) {
+            return;
+        }
+        let _ = fs::create_dir_all(&self.dir);
+        let tmp = self.dir.join(".sealing");
+        let seq = self.seq + 1;
+        match self.seal(work, &tmp) {
+            Ok(Some((size, sha256))) => {
+                let latest = super::CheckpointCopy { seq, size, sha256 };
+                let named = fs::rename(&tmp, self.dir.join(format!("{seq}.age"))).and_then(|()| {
+                    let text = serde_json::to_vec(&latest).map_err(io::Error::other)?;
+                    fs::write(self.dir.join(".latest"), text)?;
+                    fs::rename(self.dir.join(".latest"), self.dir.join("latest.json"))
+                });
+                if named.is_err() {
+                    return;
+                }
+                if self.seq > 0 {
+                    let _ = fs::remove_file(self.dir.join(format!("{}.age", self.seq)));
+                }
+                self.seq = seq;
+                self.last = Some(seen);
+                self.next_look = now + CHECKPOINT_EVERY;
+            }
+            // Not one to seal (yet), or it changed while it was read: the next look.
+            Ok(None) | Err(_) => {
+                let _ = fs::remove_file(&tmp);
+            }
+        }
+    }
+
+    /// Encrypts the checkpoint into `out` as it reads it; its size and SHA-256 (hex), or
+    /// `None` when it is not a regular file of one link within the cap, or changed while
+    /// it was read.
+    fn seal(&self, work: &OwnedFd, out: &Path) -> io::Result<Option<(u64, String)>> {
+        use nix::fcntl::OFlag;
+        crate::exec::plain_name(&self.name).map_err(io::Error::other)?;
+        let fd = nix::fcntl::openat(
+            work,
+            self.name.as_str(),
+            OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )?;
+        let file = File::from(fd);
+        let before = file.metadata()?;
+        if !before.file_type().is_file()
+            || std::os::unix::fs::MetadataExt::nlink(&before) > 1
+            || before.len() > self.cap
+        {
+            return Ok(None);
+        }
+        let encryptor =
+            age::Encryptor::with_recipients(std::iter::once(&self.to as &dyn age::Recipient))
+                .map_err(io::Error::other)?;
+        let mut w = encryptor.wrap_output(io::BufWriter::new(File::create(out)?))?;
+        let mut hasher = sha2::Sha256::new();
+        let mut size = 0u64;
+        let mut reader = (&file).take(self.cap.saturating_add(1));
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = reader.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            size += n as u64;
+            hasher.update(&buf[..n]);
+            w.write_all(&buf[..n])?;
+        }
+        w.finish()?.flush()?;
+        let after = file.metadata()?;
+        if size != before.len()
+            || after.len() != before.len()
+            || after.modified()? != before.modified()?
+        {
+            return Ok(None);
+        }
+        Ok(Some((size, hex(&hasher.finalize()))))
     }
 }
 
@@ -695,6 +835,14 @@ fn attach_attempt(spec: &SandboxSpec, root: &Path) -> R<()> {
     let size = spec.work_bytes.max(4096);
     tmpfs(&work, &format!("size={size},mode=0755"), MsFlags::empty())?;
     fs::create_dir(work.join(".tmp")).ctx(|| "creating /work/.tmp".into())?;
+    // A rank placed again finds its checkpoint where it left it.
+    if let Some(c) = &spec.checkpoint {
+        let resume = spec.attempt_dir.join(files::RESUME);
+        if resume.exists() {
+            crate::exec::plain_name(&c.name)?;
+            fs::copy(&resume, work.join(&c.name)).ctx(|| format!("resuming from {}", c.name))?;
+        }
+    }
     bind(&work.join(".tmp"), &root.join("tmp"), false, true)?;
     bind(
         &spec.attempt_dir.join(files::INPUTS),

@@ -496,6 +496,7 @@ fn one_run(
         program: program.to_path_buf(),
         devices: Vec::new(),
         loopback: false,
+        checkpoint: None,
     };
     // Timed from here (the attempt directory is staging, made before and removed after):
     // as the executor does, the cgroups are made while the zygote hands out the monitor.

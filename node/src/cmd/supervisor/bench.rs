@@ -210,6 +210,7 @@ fn request(id: &str, bundle: &Path, digest: Digest) -> AttemptRequest {
             group_size: 1,
             depends_on: Vec::new(),
             budget: Amount(0),
+            checkpoint: None,
         },
         bundle: Some(bundle.to_path_buf()),
         inputs: Vec::new(),
@@ -219,5 +220,7 @@ fn request(id: &str, bundle: &Path, digest: Digest) -> AttemptRequest {
         env: Vec::new(),
         loopback: false,
         hold: false,
+        resume: None,
+        checkpoint_to: None,
     }
 }
