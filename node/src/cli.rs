@@ -579,7 +579,7 @@ pub(crate) enum TestnetCommand {
     /// directory; a faucet grant; a synthetic job from bids to settlement; a
     /// proof-of-compute result proved in its block; the training example evaluated and
     /// paid; a 3-rank group over its private channel; a worker killed mid-run and its job
-    /// placed again. Exits 0 only if every step happened; stops every node and removes
+    /// placed again, resuming from its checkpoint. Exits 0 only if every step happened; stops every node and removes
     /// its files (as root: programs run in the sandbox).
     Demo {
         /// Number of nodes (at least 5).

@@ -8,7 +8,8 @@
 //! `compute_root`, the worked training example (trained on a worker, scored by the
 //! requester's evaluator on held-out data, accepted and paid), a 3-rank group whose ranks
 //! sum over their private channel, and a job whose worker is killed mid-run (its lease
-//! lapses and the job is placed again, paid once). Users' commands run as a user runs
+//! lapses and the job is placed again, resuming from the checkpoint the requester kept,
+//! paid once). Users' commands run as a user runs
 //! them (the `cannabis` binary against a node's data directory) and their output is shown;
 //! each step ends with checks of what the nodes hold, and the first that fails stops the
 //! demo with an error naming it.
@@ -47,7 +48,7 @@ pub const STEPS: [&str; 8] = [
     "a proof-of-compute result in a block, its inclusion proof checked",
     "the training example: trained on a worker, evaluated, accepted, paid",
     "a 3-rank group job over its private channel",
-    "a worker killed mid-run: the lease lapses, the job is placed again",
+    "a worker killed mid-run: the lease lapses, the job is placed again and resumes from its checkpoint",
     "every node's ledger agrees",
 ];
 
@@ -97,19 +98,21 @@ name = "sum.txt"
 max_size = "1KiB"
 "#;
 
-const SLEEPER: &str = r#"# Runs for twelve seconds: long enough to kill its worker mid-run.
-name = "sleeper"
+const COUNTER: &str = r#"# Counts to 16, a second a step: long enough to kill its worker mid-run.
+# The count is its checkpoint, which the requester keeps; placed again, it goes on from it.
+name = "counter"
 deadline = "5m"
 bid_window = "2s"
 review_window = "5s"
 
 [[task]]
-name = "sleep"
+name = "count"
 budget = 100_000
+checkpoint = { name = "count", max_size = "1KiB" }
 [task.workload]
 adapter = "process"
-bundle = "sleeper.tar"
-entrypoint = ["sh", "run.sh", "12"]
+bundle = "counter.tar"
+entrypoint = ["sh", "count.sh", "16"]
 [task.resources]
 cpu = 1
 memory = "64MiB"
@@ -117,6 +120,21 @@ storage = "16MiB"
 [[task.outputs]]
 name = "out.txt"
 max_size = "4KiB"
+"#;
+
+/// The counter's program: its count kept in `count`, written aside and renamed into place.
+const COUNT_SH: &str = r#"n=0
+if [ -f "$CANNABIS_WORK/count" ]; then
+  n=$(cat "$CANNABIS_WORK/count")
+  echo "resumed at $n on attempt $CANNABIS_ATTEMPT" >> "$CANNABIS_WORK/out.txt"
+fi
+while [ "$n" -lt "$1" ]; do
+  n=$((n + 1))
+  echo "$n" > "$CANNABIS_WORK/.count"
+  mv "$CANNABIS_WORK/.count" "$CANNABIS_WORK/count"
+  sleep 1
+done
+echo "counted to $n on attempt $CANNABIS_ATTEMPT" >> "$CANNABIS_WORK/out.txt"
 "#;
 
 /// What the demo checks before it starts anything: it runs requesters' programs in the
@@ -704,19 +722,23 @@ impl Demo<'_> {
     }
 
     fn killed_worker(&mut self) -> anyhow::Result<()> {
-        pack(
-            &self.work.join("sleeper.tar"),
-            &[("run.sh", include_str!("../scenarios/sleeper/run.sh"))],
-        )?;
-        std::fs::write(self.work.join("sleeper.toml"), SLEEPER)?;
-        let id = self.submit("sleeper.toml")?;
-        let running = self.wait_job(&id, 120, "the job running", |j| {
-            j.tasks[0].ranks.iter().any(|a| {
-                a.progress
-                    .as_ref()
-                    .is_some_and(|p| p.stage == RunStage::Running)
-            })
+        pack(&self.work.join("counter.tar"), &[("count.sh", COUNT_SH)])?;
+        std::fs::write(self.work.join("counter.toml"), COUNTER)?;
+        let id = self.submit("counter.toml")?;
+        // Killed once the requester keeps a checkpoint of a few steps.
+        let running = self.wait_job(&id, 120, "a checkpoint of the running job", |j| {
+            j.tasks[0].checkpoints.get(&0).is_some_and(|c| c.seq >= 2)
+                && j.tasks[0].ranks.iter().any(|a| {
+                    a.progress
+                        .as_ref()
+                        .is_some_and(|p| p.stage == RunStage::Running)
+                })
         })?;
+        let kept = &running.tasks[0].checkpoints[&0];
+        (self.say)(&format!(
+            "   running; the requester keeps its checkpoint number {} ({} bytes, sha256 {})",
+            kept.seq, kept.size_bytes, kept.digest
+        ));
         let first = running.tasks[0].ranks[0].worker.to_string();
         let victim = self.node_of(&first)?;
         ensure!(
@@ -734,9 +756,13 @@ impl Demo<'_> {
         let second = replaced.tasks[0].ranks[0].worker.to_string();
         ensure!(second != first, "placed again on the killed worker");
         let now_on = self.node_of(&second)?;
+        let pinned = replaced.tasks[0].ranks[0]
+            .resume
+            .clone()
+            .context("the new award pins no checkpoint")?;
         (self.say)(&format!(
-            "   placed again at epoch {} on node {now_on}",
-            replaced.tasks[0].ranks[0].epoch
+            "   placed again at epoch {} on node {now_on}, its award pinning checkpoint {}",
+            replaced.tasks[0].ranks[0].epoch, pinned.digest
         ));
         let info = launcher::restart(
             &self.net.dir,
@@ -753,6 +779,26 @@ impl Demo<'_> {
             j.escrow.as_ref().is_some_and(Escrow::is_closed)
         })?;
         self.cli(self.requester, &["job", "status", &id], false)?;
+        let out = paid.tasks[0]
+            .delivered
+            .iter()
+            .find(|d| d.name == "out.txt")
+            .context("no out.txt delivered")?;
+        let text =
+            std::fs::read_to_string(&out.path).with_context(|| format!("reading {}", out.path))?;
+        for line in text.lines() {
+            (self.say)(&format!("   out.txt: {line}"));
+        }
+        let resumed: u32 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("resumed at "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .context("the new worker did not resume from the checkpoint")?;
+        ensure!(
+            resumed >= 2 && text.contains("counted to 16"),
+            "out.txt: {text:?}"
+        );
         let e = paid.escrow.as_ref().context("no escrow")?;
         balanced(e)?;
         ensure!(

@@ -212,12 +212,28 @@ fn client(dirs: &Dirs) -> ApiClient {
 /// Submits a process task running `script` through the node's API; the bundle is a file
 /// only the node user can read (the node hands it to the supervisor as a descriptor).
 fn submit(users: &Users, dirs: &Dirs, id: &str, script: &str) -> Attempt {
+    client(dirs)
+        .post("/v1/exec/attempts", &request_of(users, dirs, id, script))
+        .unwrap()
+}
+
+/// A process task running `script`, whose bundle only the node user can read.
+fn request_of(
+    users: &Users,
+    dirs: &Dirs,
+    id: &str,
+    script: &str,
+) -> cannabis_runtime::exec::AttemptRequest {
     let mut request = script_request(dirs.root.path(), id, script);
     request.task.resources.cpu_millicores = 500;
-    let tar = request.bundle.clone().unwrap();
-    std::os::unix::fs::chown(&tar, Some(users.node.0), Some(users.node.1)).unwrap();
-    std::fs::set_permissions(&tar, std::fs::Permissions::from_mode(0o600)).unwrap();
-    client(dirs).post("/v1/exec/attempts", &request).unwrap()
+    node_only(users, request.bundle.as_ref().unwrap());
+    request
+}
+
+/// Makes `file` the node user's, readable by it alone.
+fn node_only(users: &Users, file: &std::path::Path) {
+    std::os::unix::fs::chown(file, Some(users.node.0), Some(users.node.1)).unwrap();
+    std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
 
 fn attempt(dirs: &Dirs, id: &str) -> Attempt {
@@ -363,6 +379,42 @@ fn an_unprivileged_node_runs_work_in_the_sandbox_of_a_root_supervisor() {
     let mut request = a.request.clone();
     request.request_id = "root-only".into();
     request.bundle = Some(secret.clone());
+    let err = client(&dirs)
+        .post::<_, Attempt>("/v1/exec/attempts", &request)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("Permission denied"), "{err}");
+
+    // A checkpoint to resume from travels the same way: one the node user can read is
+    // in the work directory when the workload starts; one only root can read cannot be
+    // named.
+    let kept = dirs.root.path().join("kept-count");
+    std::fs::write(&kept, "7").unwrap();
+    node_only(users, &kept);
+    let mut request = request_of(users, &dirs, "resumed", "cat \"$CANNABIS_WORK/count\"\n");
+    request.task.checkpoint = Some(cannabis_protocol::OutputDecl {
+        name: "count".into(),
+        max_bytes: 100,
+        rights: cannabis_protocol::OutputRights::Exclusive,
+    });
+    request.resume = Some(kept);
+    let a: Attempt = client(&dirs).post("/v1/exec/attempts", &request).unwrap();
+    assert!(!a.refused, "{a:#?}");
+    let a = settled(&dirs, &a.id);
+    assert_eq!(a.state, AttemptState::Completed, "{a:#?}");
+    assert_eq!(stdout(&dirs, &a.id), "7");
+    assert!(
+        a.request
+            .resume
+            .as_ref()
+            .unwrap()
+            .starts_with(dirs.root.path().join("supervisor").join("spool"))
+    );
+    let root_only = dirs.root.path().join("root-only-count");
+    std::fs::write(&root_only, "8").unwrap();
+    std::fs::set_permissions(&root_only, std::fs::Permissions::from_mode(0o600)).unwrap();
+    request.request_id = "resume-root-only".into();
+    request.resume = Some(root_only);
     let err = client(&dirs)
         .post::<_, Attempt>("/v1/exec/attempts", &request)
         .unwrap_err()
