@@ -77,7 +77,18 @@ pub fn evaluate(
         reason: String::new(),
         issued_at: Timestamp(0),
     };
-    let (outcome, reason) = match run(data_dir, executor, order, &mut report) {
+    let ran = run(data_dir, executor, order, &mut report);
+    // The run's own files (its staged configuration) are of no use once it has a report:
+    // the executor staged copies of them, and a run asked again gets a directory of its
+    // own. (A node that dies mid-run keeps them, and the same run asked again after its
+    // restart finds them.)
+    let dir = run_dir(data_dir, order);
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(job) = dir.parent() {
+        // Only when empty: another run of the job may be under way.
+        let _ = std::fs::remove_dir(job);
+    }
+    let (outcome, reason) = match ran {
         Ok(()) => {
             let (criteria, passed) = judge(&order.acceptance, &report.metrics);
             let reason = criteria

@@ -310,6 +310,11 @@ fn evaluations_accept_or_dispute_and_a_hostile_evaluator_never_passes() {
     let view: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(view["run"], 2, "{view}");
     assert_eq!(view["report"]["outcome"], "not-evaluated", "{view}");
+    // Each run's own files went once it had its report.
+    let kept: Vec<_> = std::fs::read_dir(requester.join("evaluations"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(kept.is_empty(), "{kept:?}");
 }
 
 /// The worked example (`docs/examples/numpy-train`) as a requester runs it: `make.sh`,
