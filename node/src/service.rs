@@ -256,7 +256,7 @@ pub(crate) enum Command {
         job: cannabis_protocol::Uuid,
         lock: bool,
         tx: cannabis_protocol::Digest,
-        result: Result<(), String>,
+        result: Result<(), settle::Unsent>,
     },
     /// A challenge this node answers has been proved.
     ChallengeProved(Option<cannabis_protocol::ChallengeResponse>),

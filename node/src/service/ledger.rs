@@ -26,8 +26,12 @@ use crate::store::Store;
 use crate::swarm::{self, Topic};
 use cannabis_api as api;
 
-/// How a transaction that never reached the sequencer fails (nothing was decided).
-pub(super) const UNREACHABLE: &str = "the sequencer could not be reached";
+/// How a transaction that never reached the sequencer fails (nothing was decided): the
+/// error a submission's reply carries, which a caller tells apart with
+/// `anyhow::Error::is::<Unreachable>`.
+#[derive(Debug, thiserror::Error)]
+#[error("the sequencer could not be reached: {0}")]
+pub(super) struct Unreachable(pub String);
 /// Most blocks one `blocks` request asks for and one answer holds.
 const BLOCKS_PER_ASK: u32 = 64;
 /// Most bytes of blocks in one answer (past the first block).
@@ -1001,7 +1005,7 @@ impl Node {
                 Err(anyhow::anyhow!("the sequencer refused it: {reason}"))
             }
             Ok(other) => Err(anyhow::anyhow!("the sequencer answered {other:?}")),
-            Err(e) => Err(anyhow::anyhow!("{UNREACHABLE}: {e}")),
+            Err(e) => Err(anyhow::Error::new(Unreachable(e.to_string()))),
         };
         if result.is_err()
             && let Some(nonce) = sender.given_back(delivered)

@@ -349,14 +349,17 @@ impl Node {
     fn send_settles(&mut self, signed: Vec<(Uuid, &'static str, Signed<Transaction>)>) {
         let mut batch = Vec::with_capacity(signed.len());
         for (job, what, signed) in signed {
-            let (reply, rx) = oneshot::channel();
+            let (reply, rx) = oneshot::channel::<anyhow::Result<cannabis_api::Submitted>>();
             let tx = signed.id();
             batch.push((signed, reply));
             let tell = self.self_tx.clone();
             tokio::spawn(async move {
                 let result = match rx.await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(format!("{e:#}")),
+                    Ok(Err(e)) => Err(Unsent {
+                        reached: !e.is::<super::ledger::Unreachable>(),
+                        why: format!("{e:#}"),
+                    }),
                     Err(_) => return,
                 };
                 let _ = tell
@@ -381,9 +384,9 @@ impl Node {
         job: Uuid,
         lock: bool,
         tx: Digest,
-        result: Result<(), String>,
+        result: Result<(), Unsent>,
     ) {
-        let Err(why) = result else {
+        let Err(Unsent { reached, why }) = result else {
             return;
         };
         let Some(chain) = self.chain.as_mut() else {
@@ -398,7 +401,7 @@ impl Node {
             return;
         };
         let o = &mut chain.orders[at];
-        if why.starts_with(super::ledger::UNREACHABLE) {
+        if !reached {
             // Nothing was decided: the sequencer is down or moved (a restart).
             warn!(%job, lock, %why, "settlement transaction not delivered: sent again shortly");
             o.sent_at = None;
@@ -423,4 +426,14 @@ impl Node {
             self.drain();
         }
     }
+}
+
+/// Why a settlement transaction was not taken.
+#[derive(Debug)]
+pub(crate) struct Unsent {
+    /// Whether the sequencer answered (it refused it); otherwise it could not be reached,
+    /// and nothing was decided.
+    pub(super) reached: bool,
+    /// What was said.
+    pub(super) why: String,
 }
