@@ -1343,7 +1343,6 @@ impl Market {
                 digest,
                 size_bytes,
             } => {
-                let now = self.now;
                 let j = self.job_mut(job)?;
                 let kept = crate::job::KeptCheckpoint {
                     epoch,
@@ -1351,7 +1350,7 @@ impl Market {
                     digest,
                     size_bytes,
                 };
-                if j.keep_checkpoint(task, rank, kept, now)? {
+                if j.keep_checkpoint(task, rank, kept)? {
                     self.out.dirty(RecordKey::Job(job));
                 }
                 Ok(CommandOk::Done)

@@ -1313,7 +1313,6 @@ impl Job {
     pub fn on_checkpoint_note(
         &mut self,
         note: &cannabis_protocol::CheckpointNote,
-        _now: Timestamp,
     ) -> Result<bool, Refusal> {
         if note.job_id != self.offer.job_id {
             return Err(Refusal::UnknownJob(note.job_id));
@@ -1357,7 +1356,6 @@ impl Job {
         task: u32,
         rank: u32,
         kept: KeptCheckpoint,
-        _now: Timestamp,
     ) -> Result<bool, Refusal> {
         let job = self.offer.job_id;
         let spec = self

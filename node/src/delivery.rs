@@ -697,6 +697,34 @@ pub enum FetchError {
     Bad(String),
 }
 
+/// Calls `attempt` until it gives a result or a [`FetchError::Bad`], or until `patience`
+/// has passed since the first call: after each transient failure it waits `first`, then
+/// twice as long each time, at most `most`. What a transfer's peer being away for a while
+/// looks like to every fetch: it resumes where it was.
+pub async fn patiently<T, F, Fut>(
+    patience: std::time::Duration,
+    first: std::time::Duration,
+    most: std::time::Duration,
+    mut attempt: F,
+) -> Result<T, FetchError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, FetchError>>,
+{
+    let started = tokio::time::Instant::now();
+    let mut pause = first;
+    loop {
+        match attempt().await {
+            Err(FetchError::Transient(why)) if started.elapsed() < patience => {
+                tracing::debug!(reason = %why, "transfer interrupted; resuming");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(most);
+            }
+            other => return other,
+        }
+    }
+}
+
 /// How many times a chunk that fails its check is asked for again before the delivery
 /// counts as bad.
 const CHUNK_RETRIES: u32 = 3;

@@ -424,9 +424,9 @@ impl Market {
         r: Received<cannabis_protocol::CheckpointNote>,
     ) -> Result<(), Refusal> {
         Self::from_signer(from, &r)?;
-        let (job_id, now) = (r.body.job_id, self.now);
+        let job_id = r.body.job_id;
         let job = self.signed_for_job(from, &r, job_id)?;
-        if job.on_checkpoint_note(&r.body, now)? {
+        if job.on_checkpoint_note(&r.body)? {
             self.out.fenced(Output::FetchCheckpoint(Box::new(r.body)));
         }
         Ok(())

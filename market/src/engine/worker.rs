@@ -11,7 +11,8 @@ use cannabis_protocol::{
 };
 
 use super::{
-    KEEP_ENDED_MS, Market, MarketEvent, Outbound, Output, Purpose, RecordKey, RunOrder, Settle,
+    Capacity, KEEP_ENDED_MS, Market, MarketEvent, Outbound, Output, Purpose, RecordKey, RunOrder,
+    Settle,
 };
 use crate::Refusal;
 use crate::lease::{AssignmentKey, Lease, SentBid, Stopped};
@@ -415,22 +416,14 @@ impl Market {
     /// offers) less what its live leases hold (`except` one, whose newer epoch is what is
     /// asked for), counted as the executor admits them: every lease holds at least one
     /// millicore.
-    fn free(&self, own: &Hardware, except: Option<&AssignmentKey>) -> Free {
+    fn free(&self, own: &Hardware, except: Option<&AssignmentKey>) -> Capacity {
         let now = self.now;
-        let mut free = match self.capacity {
-            Some(c) => Free {
-                millicores: c.cpu_millicores,
-                memory_bytes: c.memory_bytes,
-                storage_bytes: c.storage_bytes,
-                gpus: c.gpus,
-            },
-            None => Free {
-                millicores: u64::from(own.cpu_cores) * 1000,
-                memory_bytes: own.memory_bytes,
-                storage_bytes: own.storage_bytes,
-                gpus: own.gpus.iter().filter(|g| g.allowed).count() as u64,
-            },
-        };
+        let mut free = self.capacity.unwrap_or(Capacity {
+            cpu_millicores: u64::from(own.cpu_cores) * 1000,
+            memory_bytes: own.memory_bytes,
+            storage_bytes: own.storage_bytes,
+            gpus: own.gpus.iter().filter(|g| g.allowed).count() as u64,
+        });
         let held = self
             .leases
             .iter()
@@ -438,7 +431,7 @@ impl Market {
         for (_, lease) in held {
             let r = lease.task.as_ref().map(|t| &t.resources);
             let cpu = r.map_or(0, |r| u64::from(r.cpu_millicores)).max(1);
-            free.millicores = free.millicores.saturating_sub(cpu);
+            free.cpu_millicores = free.cpu_millicores.saturating_sub(cpu);
             if let Some(r) = r {
                 free.memory_bytes = free.memory_bytes.saturating_sub(r.memory_bytes);
                 free.storage_bytes = free.storage_bytes.saturating_sub(r.storage_bytes);
@@ -465,22 +458,14 @@ impl Market {
     }
 }
 
-/// Resources not held by a live lease.
-struct Free {
-    millicores: u64,
-    memory_bytes: u64,
-    storage_bytes: u64,
-    gpus: u64,
-}
-
-impl Free {
-    /// The first resource of one rank of a task that does not fit, as a refusal.
+impl Capacity {
+    /// The first resource of one rank of a task that does not fit in this, as a refusal.
     fn short_of(&self, r: &Resources) -> Option<Refusal> {
         [
             (
                 "millicores",
                 u64::from(r.cpu_millicores).max(1),
-                self.millicores,
+                self.cpu_millicores,
             ),
             ("bytes of memory", r.memory_bytes, self.memory_bytes),
             ("bytes of storage", r.storage_bytes, self.storage_bytes),

@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 
 use super::Command;
 use super::handle::ExecutorSlot;
-use crate::delivery::{Check, Expect, FetchError, fetch_object, open_checked};
+use crate::delivery::{Check, Expect, FetchError, fetch_object, open_checked, patiently};
 use crate::exec::ExecutorHandle;
 
 /// What a leased attempt's packages became on this node: the bundle and inputs, fetched
@@ -310,23 +310,22 @@ impl PackageFetch {
                 known: None,
                 max_plain: check.max,
             };
-            let began = tokio::time::Instant::now();
-            let mut pause = std::time::Duration::from_millis(250);
-            let whole = loop {
-                match fetch_object(&part, &object, expect, &ask, &mut |_, _| {}).await {
-                    Ok(w) => break w,
-                    Err(FetchError::Bad(why)) => return Err(format!("fetching {why}")),
-                    Err(FetchError::Transient(why)) if began.elapsed() >= PACKAGE_PATIENCE => {
-                        return Err(format!(
-                            "fetching {:?} from the requester for {} s: {why}",
-                            object.name,
-                            PACKAGE_PATIENCE.as_secs()
-                        ));
-                    }
-                    Err(FetchError::Transient(_)) => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(std::time::Duration::from_secs(4));
-                    }
+            let fetched = patiently(
+                PACKAGE_PATIENCE,
+                std::time::Duration::from_millis(250),
+                std::time::Duration::from_secs(4),
+                || async { fetch_object(&part, &object, expect, &ask, &mut |_, _| {}).await },
+            )
+            .await;
+            let whole = match fetched {
+                Ok(w) => w,
+                Err(FetchError::Bad(why)) => return Err(format!("fetching {why}")),
+                Err(FetchError::Transient(why)) => {
+                    return Err(format!(
+                        "fetching {:?} from the requester for {} s: {why}",
+                        object.name,
+                        PACKAGE_PATIENCE.as_secs()
+                    ));
                 }
             };
             let name = check.name.clone();
@@ -354,6 +353,9 @@ const WATCH_FIRST: std::time::Duration = std::time::Duration::from_millis(10);
 /// See [`WATCH_FIRST`].
 const WATCH_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How often a running attempt's sandbox is asked for a newer sealed checkpoint.
+const CHECKPOINT_LOOK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Where a leased attempt's outputs go once it completes.
 struct Delivery {
     request_id: String,
@@ -380,8 +382,9 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
     // The attempt's id once found: then it is read alone, not found among every attempt.
     let mut known: Option<String> = None;
     let mut sandboxed = false;
-    // The last checkpoint copy sealed for the requester.
+    // The last checkpoint copy sealed for the requester, and when to look for the next.
     let mut sealed_seq = 0u64;
+    let mut next_checkpoint_look = std::time::Instant::now();
     loop {
         let (ex2, id, known2) = (ex.clone(), request_id.clone(), known.clone());
         let found = tokio::task::spawn_blocking(move || match known2 {
@@ -434,7 +437,11 @@ async fn watch(ex: ExecutorHandle, d: Delivery, node: mpsc::Sender<Command>) {
         }
         if stage == RunStage::Running
             && let Some(name) = &d.checkpoint
+            && std::time::Instant::now() >= next_checkpoint_look
         {
+            // The sandbox seals a new copy at most every second: looking more often reads
+            // the same `checkpoint/latest` again.
+            next_checkpoint_look = std::time::Instant::now() + CHECKPOINT_LOOK;
             let (ex2, id, name) = (ex.clone(), attempt.id.clone(), name.clone());
             let (data_dir, req, last) = (d.data_dir.clone(), request_id.clone(), sealed_seq);
             let sealed = tokio::task::spawn_blocking(move || {

@@ -321,24 +321,23 @@ impl Node {
         let identity = self.keys.delivery.clone();
         let tell = self.self_tx.clone();
         tokio::spawn(async move {
-            let started = tokio::time::Instant::now();
-            let mut pause = Duration::from_millis(500);
-            let result = loop {
-                let ask = |request| ask_peer(tell.clone(), peer, request);
-                match delivery::fetch_checkpoint(&data_dir, &identity, &note, ask).await {
-                    Ok(_) => break Ok(()),
-                    Err(FetchError::Bad(why)) => break Err(why),
-                    Err(FetchError::Transient(why)) if started.elapsed() >= CHECKPOINT_PATIENCE => {
-                        break Err(format!(
-                            "not fetched in {} s: {why}",
-                            CHECKPOINT_PATIENCE.as_secs()
-                        ));
-                    }
-                    Err(FetchError::Transient(_)) => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(4));
-                    }
-                }
+            let fetched = delivery::patiently(
+                CHECKPOINT_PATIENCE,
+                Duration::from_millis(500),
+                Duration::from_secs(4),
+                || {
+                    let ask = |request| ask_peer(tell.clone(), peer, request);
+                    delivery::fetch_checkpoint(&data_dir, &identity, &note, ask)
+                },
+            )
+            .await;
+            let result = match fetched {
+                Ok(_) => Ok(()),
+                Err(FetchError::Bad(why)) => Err(why),
+                Err(FetchError::Transient(why)) => Err(format!(
+                    "not fetched in {} s: {why}",
+                    CHECKPOINT_PATIENCE.as_secs()
+                )),
             };
             let _ = tell.send(Command::CheckpointFetched(note, result)).await;
         });
@@ -466,37 +465,33 @@ impl Node {
         let progress = self.fetch_progress.clone();
         info!(job = %m.job_id, task = m.task, rank = m.rank, epoch = m.epoch, "fetching outputs");
         tokio::spawn(async move {
-            let started = tokio::time::Instant::now();
-            let mut pause = Duration::from_millis(500);
-            let result = loop {
-                let ask = |request| ask_peer(tell.clone(), peer, request);
-                let k = (m.job_id, m.task, m.rank);
-                let shown = progress.clone();
-                let at = std::time::Instant::now();
-                let attempt = delivery::fetch(&data_dir, &identity, &m, ask, |bytes, total| {
-                    if let Ok(mut p) = shown.lock() {
-                        let e = p.entry(k).or_default();
-                        e.started.get_or_insert(at);
-                        e.bytes = bytes;
-                        e.total = total;
-                    }
-                })
-                .await;
-                match attempt {
-                    Ok(kept) => break Ok(kept),
-                    Err(FetchError::Bad(why)) => break Err(why),
-                    Err(FetchError::Transient(why)) if started.elapsed() >= FETCH_PATIENCE => {
-                        break Err(format!(
-                            "the outputs could not be fetched in {} s: {why}",
-                            FETCH_PATIENCE.as_secs()
-                        ));
-                    }
-                    Err(FetchError::Transient(why)) => {
-                        debug!(reason = %why, "fetch interrupted; resuming");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(8));
-                    }
-                }
+            let k = (m.job_id, m.task, m.rank);
+            let fetched = delivery::patiently(
+                FETCH_PATIENCE,
+                Duration::from_millis(500),
+                Duration::from_secs(8),
+                || {
+                    let ask = |request| ask_peer(tell.clone(), peer, request);
+                    let shown = progress.clone();
+                    let at = std::time::Instant::now();
+                    delivery::fetch(&data_dir, &identity, &m, ask, move |bytes, total| {
+                        if let Ok(mut p) = shown.lock() {
+                            let e = p.entry(k).or_default();
+                            e.started.get_or_insert(at);
+                            e.bytes = bytes;
+                            e.total = total;
+                        }
+                    })
+                },
+            )
+            .await;
+            let result = match fetched {
+                Ok(kept) => Ok(kept),
+                Err(FetchError::Bad(why)) => Err(why),
+                Err(FetchError::Transient(why)) => Err(format!(
+                    "the outputs could not be fetched in {} s: {why}",
+                    FETCH_PATIENCE.as_secs()
+                )),
             };
             let _ = tell.send(Command::Fetched(Box::new(m), result)).await;
         });

@@ -327,6 +327,66 @@ fn wait_job(
     }
 }
 
+/// A testnet of three real nodes, and the job its node 0 submitted once it knew of three
+/// workers.
+struct OneJob {
+    _dir: tempfile::TempDir,
+    net: Testnet,
+    requester: std::path::PathBuf,
+    id: String,
+}
+
+/// Starts [`OneJob`]: one `process` task named `name` running `sh <first file>` from a
+/// bundle of `files`, with `extra` lines in its `[[task]]` table; `None` (saying why)
+/// where requesters' programs cannot run here.
+fn one_job(name: &str, files: &[(&str, &str)], extra: &str) -> Option<OneJob> {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: requesters' programs run only where the executor is root");
+        return None;
+    }
+    let dir = super::exec::open_dir();
+    let net = Testnet::up(&dir.path().join("net"), 3);
+    let requester = net.nodes()[0].clone();
+    let work = dir.path().join("job");
+    std::fs::create_dir_all(&work).unwrap();
+    tar(&work, files);
+    let script = files[0].0;
+    std::fs::write(
+        work.join("job.toml"),
+        format!(
+            r#"
+name = "{name}"
+budget = 300_000
+deadline = "10m"
+bid_window = "2s"
+[[task]]
+name = "{name}"
+{extra}
+[task.workload]
+adapter = "process"
+bundle = "bundle.tar"
+entrypoint = ["sh", "{script}"]
+[task.resources]
+cpu = 1
+memory = "128MiB"
+storage = "8MiB"
+[[task.outputs]]
+name = "out.txt"
+max_size = "1KiB"
+"#
+        ),
+    )
+    .unwrap();
+    super::testnet::wait_for_workers(&requester, 3);
+    let id = super::settle::submit_file(&requester, &work.join("job.toml"));
+    Some(OneJob {
+        _dir: dir,
+        net,
+        requester,
+        id,
+    })
+}
+
 /// SIGKILLs the testnet's node with market address `address`; returns its data dir and
 /// the command line it was started with.
 fn kill_node(
@@ -368,20 +428,15 @@ fn kill_node(
 
 #[test]
 fn a_rank_whose_worker_is_killed_resumes_on_the_next_from_the_checkpoint_it_sent() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: requesters' programs run only where the executor is root");
-        return;
-    }
-    let dir = super::exec::open_dir();
-    let net = Testnet::up(&dir.path().join("net"), 3);
-    let nodes = net.nodes();
-    let requester = &nodes[0];
-    let work = dir.path().join("job");
-    std::fs::create_dir_all(&work).unwrap();
     // Counts to 20, a second a step, keeping the count in its checkpoint (written aside
     // and renamed into place); a run placed again goes on from the count it finds.
-    tar(
-        &work,
+    let Some(OneJob {
+        _dir,
+        net,
+        requester,
+        id,
+    }) = one_job(
+        "count",
         &[(
             "count.sh",
             r#"n=0
@@ -394,40 +449,19 @@ done
 echo "counted to $n" >> "$CANNABIS_WORK/out.txt"
 "#,
         )],
-    );
-    std::fs::write(
-        work.join("job.toml"),
-        r#"
-name = "count"
-budget = 300_000
-deadline = "10m"
-bid_window = "2s"
-[[task]]
-name = "count"
-checkpoint = { name = "count", max_size = "1KiB" }
-[task.workload]
-adapter = "process"
-bundle = "bundle.tar"
-entrypoint = ["sh", "count.sh"]
-[task.resources]
-cpu = 1
-memory = "128MiB"
-storage = "8MiB"
-[[task.outputs]]
-name = "out.txt"
-max_size = "1KiB"
-"#,
+        "checkpoint = { name = \"count\", max_size = \"1KiB\" }",
     )
-    .unwrap();
-    super::testnet::wait_for_workers(requester, 3);
-    let id = super::settle::submit_file(requester, &work.join("job.toml"));
+    else {
+        return;
+    };
+    let requester = &requester;
     // The requester keeps a checkpoint of the running rank (a count of a few at least).
     let kept = wait_job(requester, &id, "a checkpoint kept", 90, |j| {
         j.tasks[0].checkpoints.get(&0).is_some_and(|c| c.seq >= 3)
     });
     let first = kept.tasks[0].ranks[0].clone();
     assert_eq!(first.epoch, 1);
-    let (_, cmdline) = kill_node(&net, &first.worker);
+    kill_node(&net, &first.worker);
     let replaced = wait_job(requester, &id, "the task to be placed again", 150, |j| {
         j.tasks[0].ranks.first().is_some_and(|r| r.epoch >= 2)
     });
@@ -466,56 +500,30 @@ max_size = "1KiB"
         .unwrap();
     assert!(resumed >= 3, "{out}");
     assert!(out.ends_with("counted to 20\n"), "{out}");
-    drop(cmdline);
 }
 
 #[test]
 fn a_worker_killed_mid_run_is_replaced_and_after_a_restart_neither_runs_nor_delivers_its_stale_epoch()
  {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: requesters' programs run only where the executor is root");
-        return;
-    }
-    let dir = super::exec::open_dir();
-    let net = Testnet::up(&dir.path().join("net"), 3);
-    let nodes = net.nodes();
-    let requester = &nodes[0];
-    let work = dir.path().join("job");
-    std::fs::create_dir_all(&work).unwrap();
-    tar(
-        &work,
-        // Longer than an award's 15 s expiry: the run lasts only if the renewal that comes
-        // while the worker fetches the bundle reaches its executor.
+    // Longer than an award's 15 s expiry: the run lasts only if the renewal that comes
+    // while the worker fetches the bundle reaches its executor.
+    let Some(OneJob {
+        _dir,
+        net,
+        requester,
+        id,
+    }) = one_job(
+        "slow",
         &[(
             "slow.sh",
             "sleep 18\necho done > \"$CANNABIS_WORK/out.txt\"\n",
         )],
-    );
-    std::fs::write(
-        work.join("job.toml"),
-        r#"
-name = "slow"
-budget = 300_000
-deadline = "10m"
-bid_window = "2s"
-[[task]]
-name = "slow"
-[task.workload]
-adapter = "process"
-bundle = "bundle.tar"
-entrypoint = ["sh", "slow.sh"]
-[task.resources]
-cpu = 1
-memory = "128MiB"
-storage = "8MiB"
-[[task.outputs]]
-name = "out.txt"
-max_size = "1KiB"
-"#,
+        "",
     )
-    .unwrap();
-    super::testnet::wait_for_workers(requester, 3);
-    let id = super::settle::submit_file(requester, &work.join("job.toml"));
+    else {
+        return;
+    };
+    let requester = &requester;
     let running = wait_job(requester, &id, "the work to run", 60, |j| {
         j.tasks[0].ranks.first().is_some_and(|r| {
             r.progress
