@@ -111,11 +111,87 @@ impl<W: Write> Write for LeafWriter<W> {
     }
 }
 
+/// How many bytes a pipeline stage hands on at a time.
+const STAGE_BYTES: usize = 1 << 20;
+
+/// Buffers handed on to the next stage of a pipeline of threads (bounded: a few
+/// [`STAGE_BYTES`] in flight), and taken back from it empty, so the stages reuse a few
+/// buffers instead of touching fresh memory for every step.
+struct Handover {
+    tx: std::sync::mpsc::SyncSender<Vec<u8>>,
+    back: std::sync::mpsc::Receiver<Vec<u8>>,
+    buf: Vec<u8>,
+}
+
+/// The receiving end of a [`Handover`]: each buffer, then back to the sender.
+struct Taken {
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    back: std::sync::mpsc::Sender<Vec<u8>>,
+}
+
+/// A pipe between two stages.
+fn handover() -> (Handover, Taken) {
+    let (tx, rx) = std::sync::mpsc::sync_channel(4);
+    let (back_tx, back) = std::sync::mpsc::channel();
+    (
+        Handover {
+            tx,
+            back,
+            buf: Vec::with_capacity(STAGE_BYTES),
+        },
+        Taken { rx, back: back_tx },
+    )
+}
+
+impl Handover {
+    fn send(&mut self) -> io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let fresh = self
+            .back
+            .try_recv()
+            .unwrap_or_else(|_| Vec::with_capacity(STAGE_BYTES));
+        self.tx
+            .send(std::mem::replace(&mut self.buf, fresh))
+            .map_err(|_| io::Error::other("the next stage stopped"))
+    }
+}
+
+impl Write for Handover {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let n = data.len().min(STAGE_BYTES - self.buf.len());
+        self.buf.extend_from_slice(&data[..n]);
+        if self.buf.len() == STAGE_BYTES {
+            self.send()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.send()
+    }
+}
+
+impl Taken {
+    /// Hands every buffer to `f` until the sender is gone (or `f` fails).
+    fn each(self, mut f: impl FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        for mut buf in self.rx {
+            f(&buf)?;
+            buf.clear();
+            let _ = self.back.send(buf);
+        }
+        Ok(())
+    }
+}
+
 /// Encrypts a reader's bytes to `to` into `out`, returning the plaintext's digest and
 /// size and the ciphertext's transfer-chunk leaves; more than `cap` bytes is an error
-/// (never a truncation).
+/// (never a truncation). Three threads: one reads and hashes the plaintext, one encrypts,
+/// one hashes the ciphertext's leaves and writes it, so a large output is sealed in
+/// about the time of its slowest pass, not of all three.
 fn encrypt(
-    mut src: impl FnMut(u64) -> io::Result<(Vec<u8>, bool)>,
+    mut src: impl FnMut(u64) -> io::Result<(Vec<u8>, bool)> + Send,
     to: &DeliveryRecipient,
     out: &mut File,
     cap: u64,
@@ -126,37 +202,56 @@ fn encrypt(
     let encryptor =
         age::Encryptor::with_recipients(std::iter::once(&recipient as &dyn age::Recipient))
             .map_err(|e| format!("age: {e}"))?;
-    let mut w = encryptor
-        .wrap_output(LeafWriter::new(io::BufWriter::with_capacity(
-            1 << 20,
-            &mut *out,
-        )))
-        .map_err(|e| format!("writing {name}: {e}"))?;
-    let mut hash = Sha256::new();
-    let mut size = 0u64;
-    loop {
-        let (data, eof) = src(size).map_err(|e| format!("reading output {name:?}: {e}"))?;
-        size += data.len() as u64;
-        if size > cap {
-            return Err(format!(
-                "output {name:?} is over its max_size of {cap} bytes"
-            ));
-        }
-        hash.update(&data);
-        w.write_all(&data)
-            .map_err(|e| format!("writing {name}: {e}"))?;
-        if eof || data.is_empty() {
-            break;
-        }
-    }
-    let (mut buf, leaves) = w
-        .finish()
-        .map_err(|e| format!("writing {name}: {e}"))?
-        .finish();
-    buf.flush().map_err(|e| format!("writing {name}: {e}"))?;
-    drop(buf);
-    out.sync_all().map_err(|e| format!("writing {name}: {e}"))?;
-    Ok((Digest(hash.finalize().into()), size, leaves))
+    let writing = |e: io::Error| format!("writing {name}: {e}");
+    let (plain_tx, plain_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let (cipher, cipher_rx) = handover();
+    std::thread::scope(|s| {
+        let reader = s.spawn(move || {
+            let mut hash = Sha256::new();
+            let mut size = 0u64;
+            loop {
+                let (data, eof) = src(size).map_err(|e| format!("reading output {name:?}: {e}"))?;
+                size += data.len() as u64;
+                if size > cap {
+                    return Err(format!(
+                        "output {name:?} is over its max_size of {cap} bytes"
+                    ));
+                }
+                hash.update(&data);
+                let last = eof || data.is_empty();
+                if plain_tx.send(data).is_err() || last {
+                    break;
+                }
+            }
+            Ok((Digest(hash.finalize().into()), size))
+        });
+        let writer = s.spawn(move || {
+            let mut w = LeafWriter::new(io::BufWriter::with_capacity(1 << 20, &mut *out));
+            cipher_rx.each(|buf| w.write_all(buf))?;
+            let (mut buf, leaves) = w.finish();
+            buf.flush()?;
+            drop(buf);
+            out.sync_all()?;
+            Ok::<_, io::Error>(leaves)
+        });
+        let sealed = (|| {
+            let mut w = encryptor.wrap_output(cipher)?;
+            for data in plain_rx {
+                w.write_all(&data)?;
+            }
+            w.finish()?.flush()
+        })();
+        // The reader's error first (it says why the bytes stopped), then the writer's.
+        let (digest, size) = reader
+            .join()
+            .map_err(|_| "the reader panicked".to_string())??;
+        let leaves = writer
+            .join()
+            .map_err(|_| "the writer panicked".to_string())?
+            .map_err(writing)?;
+        sealed.map_err(writing)?;
+        Ok((digest, size, leaves))
+    })
 }
 
 /// Reads until `buf` is full or the end.
@@ -796,7 +891,7 @@ where
         0
     };
     file.set_len(have * TRANSFER_CHUNK).map_err(io)?;
-    file.seek(SeekFrom::End(0)).map_err(io)?;
+    let file = std::sync::Arc::new(file);
     let mut kept_file = OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -805,10 +900,85 @@ where
         .map_err(io)?;
     kept_file.set_len(have * 32).map_err(io)?;
     kept_file.seek(SeekFrom::End(0)).map_err(io)?;
-    let request = |index| TransferRequest {
-        object: object.clone(),
-        index,
+    let max_cipher = cannabis_protocol::max_cipher_size(expect.max_plain);
+    // One chunk asked for, then checked against the root its answer names and written in
+    // its place, off the async thread (hashing and writing a large file there would hold
+    // up every other message of the node). A chunk is written only once checked, so
+    // whatever is in the part file at a chunk's place is that chunk or nothing.
+    let take = |index: u64, known: Option<(u64, Digest)>| {
+        let answer = ask(TransferRequest {
+            object: object.clone(),
+            index,
+        });
+        let file = file.clone();
+        async move {
+            let (size, root, data, proof) = match answer.await.map_err(FetchError::Transient)? {
+                TransferResponse::Chunk {
+                    index: i,
+                    size,
+                    root,
+                    data,
+                    proof,
+                } if i == index => (size, root, data, proof),
+                TransferResponse::Chunk { .. } => {
+                    return Err(FetchError::Bad(format!(
+                        "{name:?}: the peer sent another chunk than asked"
+                    )));
+                }
+                TransferResponse::Refused { reason } => {
+                    return Err(FetchError::Bad(format!("{name:?} refused: {reason}")));
+                }
+            };
+            match known {
+                Some(k) if k != (size, root) => {
+                    return Err(FetchError::Bad(format!(
+                        "{name:?}: the peer sent a chunk of another file ({size} bytes, root {root})"
+                    )));
+                }
+                None if size > max_cipher => {
+                    return Err(FetchError::Bad(format!(
+                        "{name:?} is {size} bytes of ciphertext, over what {} bytes allow",
+                        expect.max_plain
+                    )));
+                }
+                _ => {}
+            }
+            tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt as _;
+                let expected = size
+                    .saturating_sub(index * TRANSFER_CHUNK)
+                    .min(TRANSFER_CHUNK);
+                let leaf = merkle::leaf_hash(&data);
+                let good = data.len() as u64 == expected
+                    && merkle::InclusionProof {
+                        index,
+                        tree_size: size.div_ceil(TRANSFER_CHUNK),
+                        path: proof,
+                    }
+                    .verify_leaf_hash(&leaf, &root)
+                    .is_ok();
+                if good {
+                    file.write_all_at(&data, index * TRANSFER_CHUNK)?;
+                }
+                Ok::<_, io::Error>(Checked {
+                    size,
+                    root,
+                    leaf,
+                    good,
+                })
+            })
+            .await
+            .map_err(|e| FetchError::Transient(e.to_string()))?
+            .map_err(|e| FetchError::Transient(format!("writing {}: {e}", part.display())))
+        }
     };
+    /// What became of one chunk.
+    struct Checked {
+        size: u64,
+        root: Digest,
+        leaf: Digest,
+        good: bool,
+    }
     // A window of chunks in flight, taken in order: bounded memory (4 MiB), whatever the
     // size; wide enough that neither side waits on the other's round trip.
     const WINDOW: u64 = 16;
@@ -822,60 +992,28 @@ where
     // Until the first chunk tells the size, one request at a time.
     let window = if known.is_some() { WINDOW } else { 1 };
     while next < chunks && (inflight.len() as u64) < window {
-        inflight.push_back(ask(request(next)));
+        inflight.push_back(take(next, known));
         next += 1;
     }
-    while let Some(answer) = inflight.next().await {
-        let answer = answer.map_err(FetchError::Transient)?;
-        let (size, root, data, proof) = match answer {
-            TransferResponse::Chunk {
-                index: i,
-                size,
-                root,
-                data,
-                proof,
-            } if i == index => (size, root, data, proof),
-            TransferResponse::Chunk { .. } => {
-                return Err(FetchError::Bad(format!(
-                    "{name:?}: the peer sent another chunk than asked"
-                )));
-            }
-            TransferResponse::Refused { reason } => {
-                return Err(FetchError::Bad(format!("{name:?} refused: {reason}")));
-            }
-        };
-        match known {
-            Some(k) if k != (size, root) => {
-                return Err(FetchError::Bad(format!(
-                    "{name:?}: the peer sent a chunk of another file ({size} bytes, root {root})"
-                )));
-            }
-            Some(_) => {}
-            None => {
-                if size > cannabis_protocol::max_cipher_size(expect.max_plain) {
-                    return Err(FetchError::Bad(format!(
-                        "{name:?} is {size} bytes of ciphertext, over what {} bytes allow",
-                        expect.max_plain
-                    )));
-                }
-                let text = serde_json::to_vec(&Learned { size, root })
-                    .map_err(|e| FetchError::Transient(e.to_string()))?;
-                fs::write(&learned_path, text).map_err(io)?;
-                known = Some((size, root));
-                chunks = chunks_of(size);
-            }
+    while let Some(checked) = inflight.next().await {
+        let Checked {
+            size,
+            root,
+            leaf,
+            good,
+        } = checked?;
+        if known.is_none() {
+            let text = serde_json::to_vec(&Learned { size, root })
+                .map_err(|e| FetchError::Transient(e.to_string()))?;
+            fs::write(&learned_path, text).map_err(io)?;
+            known = Some((size, root));
+            chunks = chunks_of(size);
         }
-        let expected = size
-            .saturating_sub(index * TRANSFER_CHUNK)
-            .min(TRANSFER_CHUNK);
-        let leaf = merkle::leaf_hash(&data);
-        let checked = merkle::InclusionProof {
-            index,
-            tree_size: chunks,
-            path: proof,
-        }
-        .verify_leaf_hash(&leaf, &root);
-        if data.len() as u64 != expected || checked.is_err() {
+        if good {
+            kept_file.write_all(&leaf.0).map_err(io)?;
+            index += 1;
+            progress((index * TRANSFER_CHUNK).min(size), size);
+        } else {
             // A corrupted chunk: ask again, from it on.
             retries += 1;
             if retries > CHUNK_RETRIES {
@@ -886,14 +1024,9 @@ where
             tracing::warn!(%name, index, "a chunk failed its check: fetched again");
             inflight = FuturesOrdered::new();
             next = index;
-        } else {
-            file.write_all(&data).map_err(io)?;
-            kept_file.write_all(&leaf.0).map_err(io)?;
-            index += 1;
-            progress((index * TRANSFER_CHUNK).min(size), size);
         }
         while next < chunks && (inflight.len() as u64) < WINDOW {
-            inflight.push_back(ask(request(next)));
+            inflight.push_back(take(next, known));
             next += 1;
         }
     }
@@ -1171,26 +1304,48 @@ fn open_and_check_from(
         fs::create_dir_all(parent).map_err(|e| bad(e.to_string()))?;
     }
     let tmp = out.with_extension("checking");
-    let mut w = File::create(&tmp).map_err(|e| bad(e.to_string()))?;
-    let mut hash = Sha256::new();
-    let mut size = 0u64;
-    let mut buf = vec![0u8; 64 * 1024];
+    let w = File::create(&tmp).map_err(|e| bad(e.to_string()))?;
     let result = (|| {
-        loop {
-            let n = reader
-                .read(&mut buf)
-                .map_err(|e| bad(format!("tampered or truncated ciphertext: {e}")))?;
-            if n == 0 {
-                break;
-            }
-            size += n as u64;
-            if size > c.max {
-                return Err(bad(format!("more than its {} bytes", c.max)));
-            }
-            hash.update(&buf[..n]);
-            w.write_all(&buf[..n]).map_err(|e| bad(e.to_string()))?;
-        }
-        let digest = Digest(hash.finalize().into());
+        // Decrypted here; hashed and written on another thread, so the two overlap.
+        let (mut plain, plain_rx) = handover();
+        let (digest, size) = std::thread::scope(|s| {
+            let keeper = s.spawn(move || {
+                let mut w = w;
+                let mut hash = Sha256::new();
+                plain_rx.each(|buf| {
+                    hash.update(buf);
+                    w.write_all(buf)
+                })?;
+                w.sync_all()?;
+                Ok::<_, io::Error>(Digest(hash.finalize().into()))
+            });
+            let mut size = 0u64;
+            let mut buf = vec![0u8; 64 * 1024];
+            let read = (|| {
+                loop {
+                    let n = reader
+                        .read(&mut buf)
+                        .map_err(|e| bad(format!("tampered or truncated ciphertext: {e}")))?;
+                    if n == 0 {
+                        break;
+                    }
+                    size += n as u64;
+                    if size > c.max {
+                        return Err(bad(format!("more than its {} bytes", c.max)));
+                    }
+                    plain.write_all(&buf[..n]).map_err(|e| bad(e.to_string()))?;
+                }
+                plain.flush().map_err(|e| bad(e.to_string()))
+            })();
+            drop(plain);
+            let kept = keeper
+                .join()
+                .map_err(|_| bad("the writer panicked".into()))?
+                .map_err(|e| bad(e.to_string()))?;
+            // (The writer's error first: a full disk stops the decryption too.)
+            read?;
+            Ok((kept, size))
+        })?;
         if c.size.is_some_and(|s| s != size) || digest != c.digest {
             return Err(bad(format!(
                 "decrypted to {size} bytes with digest {digest}, pinned {} with {}",
@@ -1198,7 +1353,6 @@ fn open_and_check_from(
                 c.digest
             )));
         }
-        w.sync_all().map_err(|e| bad(e.to_string()))?;
         if c.content_rules {
             check_content(&c.name, &tmp).map_err(bad)?;
         }
@@ -1435,6 +1589,68 @@ mod tests {
             assert_eq!(leaves, leaves_of(&path).unwrap(), "size {size}");
             assert_eq!(leaves.len(), size.div_ceil(chunk), "size {size}");
         }
+    }
+
+    #[test]
+    fn a_sealed_file_decrypts_to_its_bytes_with_their_digest_and_leaves_and_a_cap_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = DeliveryIdentity::from_secret([4; 32]);
+        let id = age::x25519::Identity::from_str(&me.to_age_string()).unwrap();
+        // Sizes about the pipeline's buffers and the transfer's chunks, read in uneven
+        // pieces as an executor hands them over.
+        for size in [0, 1, STAGE_BYTES - 1, STAGE_BYTES, 3 * STAGE_BYTES + 12_345] {
+            let data: Vec<u8> = (0..size).map(|i| (i * 7 % 253) as u8).collect();
+            let path = dir.path().join(format!("s{size}.age"));
+            let mut out = File::create(&path).unwrap();
+            let (digest, n, leaves) = encrypt(
+                |at| {
+                    let at = at as usize;
+                    let end = (at + 300_007).min(data.len());
+                    Ok((data[at..end].to_vec(), end == data.len()))
+                },
+                &me.recipient(),
+                &mut out,
+                size as u64,
+                "s",
+            )
+            .unwrap();
+            assert_eq!((digest, n), (Digest::of(&data), size as u64), "size {size}");
+            assert_eq!(leaves, leaves_of(&path).unwrap(), "size {size}");
+            let mut plain = Vec::new();
+            age::Decryptor::new(File::open(&path).unwrap())
+                .unwrap()
+                .decrypt(std::iter::once(&id as &dyn age::Identity))
+                .unwrap()
+                .read_to_end(&mut plain)
+                .unwrap();
+            assert!(plain == data, "size {size}");
+            // One byte over the cap is an error, never a shorter file sealed.
+            let over = encrypt(
+                |at| {
+                    let at = at as usize;
+                    let end = (at + 300_007).min(data.len());
+                    Ok((data[at..end].to_vec(), end == data.len()))
+                },
+                &me.recipient(),
+                &mut File::create(&path).unwrap(),
+                (size as u64).saturating_sub(1),
+                "s",
+            );
+            if size > 0 {
+                let e = over.unwrap_err();
+                assert!(e.contains("over its max_size"), "{e}");
+            }
+        }
+        // A reader that fails says so.
+        let e = encrypt(
+            |_| Err(io::Error::other("the disk went away")),
+            &me.recipient(),
+            &mut File::create(dir.path().join("x.age")).unwrap(),
+            10,
+            "x",
+        )
+        .unwrap_err();
+        assert!(e.contains("the disk went away"), "{e}");
     }
 
     fn tensors(header: &str, data: usize) -> Vec<u8> {

@@ -733,10 +733,11 @@ mod transfer {
             known: None,
             max_plain: 65 << 20,
         };
-        // Each try: the whole chunks kept when it began, and the first chunk it asked for.
+        // Each try: the chunks kept when it began (checked, written, and their leaves
+        // listed beside the part file), and the first chunk it asked for.
         let mut tries = Vec::new();
         let whole = loop {
-            let kept = std::fs::metadata(&part).map_or(0, |m| m.len()) / TRANSFER_CHUNK;
+            let kept = std::fs::metadata(part.with_extension("kept")).map_or(0, |m| m.len()) / 32;
             let asked_before = wire.lock().unwrap().asked.len();
             let result = fetch_object(&part, &object(), expect, &ask, &mut |_, _| {}).await;
             tries.push((kept, wire.lock().unwrap().asked[asked_before]));
