@@ -151,7 +151,20 @@ pub struct BenchReport {
     pub channel_skipped: Option<String>,
     /// The run under attack (`--hostile`).
     pub hostile: Option<HostileReport>,
+    /// How long each timed phase (group, work, transfer, channel) waited for the nodes to
+    /// go quiet after the one before (their CPU together under a quarter of the machine),
+    /// ms, in order; a phase that started without it is named in `not_quiet`.
+    pub quiet_wait_ms: Vec<u64>,
+    /// The timed phases that began while the nodes were still busy after 30 s.
+    pub not_quiet: Vec<String>,
 }
+
+/// How busy the nodes together may be, as a share of the machine's cores, for a timed
+/// phase to begin: idle, 100 nodes on two cores use about a tenth of them.
+const QUIET_SHARE: f64 = 0.25;
+
+/// How long a timed phase waits for quiet at most.
+const QUIET_WITHIN: Duration = Duration::from_secs(30);
 
 /// Bid window of the benchmark's job: long, since it is placed as soon as its bids are in.
 const JOB_BID_WINDOW_MS: u64 = 30_000;
@@ -583,7 +596,18 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
 
     let (mut latencies, expected) = propagation(&net, opts, 0)?;
     let seen = latencies.len();
+    let mut quiet_wait_ms = Vec::new();
+    let mut not_quiet = Vec::new();
+    let mut settle = |phase: &str| {
+        let (took, quiet) = net.wait_quiet(QUIET_SHARE, QUIET_WITHIN);
+        quiet_wait_ms.push(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
+        if !quiet {
+            not_quiet.push(phase.to_string());
+        }
+    };
+    settle("group");
     let (job_group, placed_ms, leases_ms) = time_job(&net)?;
+    settle("work");
     let (mut running, mut delivered) = time_work(&net)?;
 
     // Idle: after the work, once the nodes have let go of the connections start-up made
@@ -616,6 +640,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         let why = "requesters' programs run only where the executor is root";
         (None, Some(why.to_string()))
     } else {
+        settle("transfer");
         (Some(time_transfer(&net, opts.transfer_bytes)?), None)
     };
     let (channel, channel_skipped) = if opts.channel_bytes == 0 {
@@ -635,6 +660,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
             Some("a group of two workers needs three nodes".to_string()),
         )
     } else {
+        settle("channel");
         (Some(time_channel(&net, opts.channel_bytes)?), None)
     };
     let hostile = match &opts.hostile {
@@ -647,6 +673,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         channel,
         channel_skipped,
         hostile,
+        quiet_wait_ms,
+        not_quiet,
         job_group,
         job_submit_to_placed_ms: placed_ms,
         job_placed_to_leases_ms: leases_ms,

@@ -228,6 +228,34 @@ impl Testnet {
         }
     }
 
+    /// Waits until the nodes together use less than `share` of the machine's cores over a
+    /// second (their own CPU, from `/proc`), at most `within`: how long it took, and
+    /// whether they got there. On a testnet every node shares the machine, so the gossip
+    /// of one phase (100 nodes forwarding 20 offers keep two cores busy for seconds) would
+    /// otherwise be measured as part of the next; on a real network each node has its own.
+    pub fn wait_quiet(&self, share: f64, within: Duration) -> (Duration, bool) {
+        let started = Instant::now();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64;
+        let used = || -> u64 { self.nodes.iter().map(|n| cpu_ticks(n.info.pid)).sum() };
+        let mut before = used();
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+            let now = used();
+            let busy = now.saturating_sub(before) as f64 / ticks;
+            if busy < share * cores {
+                return (started.elapsed(), true);
+            }
+            if started.elapsed() >= within {
+                return (started.elapsed(), false);
+            }
+            before = now;
+        }
+    }
+
     /// Whether every node holds every node's ad as that node last published it (a node
     /// seen only by the ad it sent before probing its machine is not seen yet).
     fn latest_ads_everywhere(&self) -> anyhow::Result<bool> {
@@ -740,6 +768,18 @@ fn live_pids(dir: &Path) -> anyhow::Result<Vec<u32>> {
 /// Whether `pid` runs (a zombie, dead and not yet reaped by its parent, does not).
 fn alive(pid: u32) -> bool {
     !matches!(proc_state(pid), None | Some('Z' | 'X'))
+}
+
+/// The user and system CPU time `pid` has used, in clock ticks (0 when it is gone).
+fn cpu_ticks(pid: u32) -> u64 {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // After the command name (in parentheses): state is field 3, utime 14, stime 15.
+            let rest: Vec<&str> = stat.rsplit_once(") ")?.1.split_whitespace().collect();
+            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0)
 }
 
 fn rss_kib(pid: u32) -> u64 {

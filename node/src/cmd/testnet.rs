@@ -659,6 +659,22 @@ pub(super) fn run(command: TestnetCommand, _log: LogFormat) -> anyhow::Result<()
                         r.peers_mean,
                     ),
                 ),
+                (
+                    "waits for quiet",
+                    format!(
+                        "{} ms before the group, work, transfer and channel phases{}",
+                        r.quiet_wait_ms
+                            .iter()
+                            .map(u64::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if r.not_quiet.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; not quiet within 30 s: {}", r.not_quiet.join(", "))
+                        }
+                    ),
+                ),
             ])?;
             if let Some(h) = &r.hostile {
                 let a = &h.attacker;
