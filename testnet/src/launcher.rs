@@ -1142,3 +1142,23 @@ fn wait_ready(
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_is_read_from_proc_and_a_gone_process_counts_nothing() {
+        let me = std::process::id();
+        let before = cpu_ticks(me);
+        // Busy for at least 300 ms of wall time: the process gets some of it on any machine.
+        let started = Instant::now();
+        let mut x = 0u64;
+        while started.elapsed() < Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        assert!(cpu_ticks(me) > before, "no CPU time counted while busy");
+        // Beyond the largest pid Linux hands out.
+        assert_eq!(cpu_ticks(u32::MAX), 0);
+    }
+}
