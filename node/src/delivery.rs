@@ -792,6 +792,17 @@ pub enum FetchError {
     Bad(String),
 }
 
+impl FetchError {
+    /// What a fetch that gave up after `patience` says: a bad delivery's own reason, or
+    /// `what` ("not fetched") for how long, and the last transient error.
+    pub fn after(self, patience: std::time::Duration, what: &str) -> String {
+        match self {
+            Self::Bad(why) => why,
+            Self::Transient(why) => format!("{what} in {} s: {why}", patience.as_secs()),
+        }
+    }
+}
+
 /// Calls `attempt` until it gives a result or a [`FetchError::Bad`], or until `patience`
 /// has passed since the first call: after each transient failure it waits `first`, then
 /// twice as long each time, at most `most`. What a transfer's peer being away for a while

@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use super::{Command, Node, now};
-use crate::delivery::{self, FetchError};
+use crate::delivery;
 use crate::swarm;
 use cannabis_api as api;
 
@@ -331,14 +331,9 @@ impl Node {
                 },
             )
             .await;
-            let result = match fetched {
-                Ok(_) => Ok(()),
-                Err(FetchError::Bad(why)) => Err(why),
-                Err(FetchError::Transient(why)) => Err(format!(
-                    "not fetched in {} s: {why}",
-                    CHECKPOINT_PATIENCE.as_secs()
-                )),
-            };
+            let result = fetched
+                .map(|_| ())
+                .map_err(|e| e.after(CHECKPOINT_PATIENCE, "not fetched"));
             let _ = tell.send(Command::CheckpointFetched(note, result)).await;
         });
     }
@@ -485,14 +480,8 @@ impl Node {
                 },
             )
             .await;
-            let result = match fetched {
-                Ok(kept) => Ok(kept),
-                Err(FetchError::Bad(why)) => Err(why),
-                Err(FetchError::Transient(why)) => Err(format!(
-                    "the outputs could not be fetched in {} s: {why}",
-                    FETCH_PATIENCE.as_secs()
-                )),
-            };
+            let result =
+                fetched.map_err(|e| e.after(FETCH_PATIENCE, "the outputs could not be fetched"));
             let _ = tell.send(Command::Fetched(Box::new(m), result)).await;
         });
     }
